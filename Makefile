@@ -1,0 +1,65 @@
+# Every target does its own set-up on a fresh machine (virtual environment, system packages,
+# build), and a second run rebuilds only what changed.
+#
+#   make test   build, then run the C++ tests (ctest) and the Python tests (pytest)
+#   make demo   build, then train a tensor-parallel MLP under torchrun and compare it with a
+#               one-process reference
+#   make build  just build (libtorch_mp, torch_mp/_C, C++ tests and examples) into build/
+
+VENV       ?= .venv
+BUILD      ?= build
+PYTHON     := $(VENV)/bin/python
+MAX_JOBS   ?= 2
+# No GPU here: name an architecture so that CUDA builds of torch need not detect one.
+export TORCH_CUDA_ARCH_LIST ?= 9.0
+export OMP_NUM_THREADS ?= 1
+
+SYSTEM_PACKAGES := libgtest-dev libgloo-dev ccache
+
+.PHONY: all build test test-cpp test-python demo system-packages clean
+
+all: build
+
+# ---- set-up -----------------------------------------------------------------------------------
+
+$(VENV)/.installed: requirements-dev.txt
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# GoogleTest, the Gloo headers (for creating Gloo groups from C++) and ccache, from Debian's
+# packages when we are root and they are missing.
+system-packages:
+	@if dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing $(SYSTEM_PACKAGES)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
+	else \
+	  echo "warning: please install $(SYSTEM_PACKAGES) (the C++ tests need GoogleTest, C++ init needs the Gloo headers)"; \
+	fi
+
+$(BUILD)/build.ninja: $(VENV)/.installed | system-packages
+	$(VENV)/bin/cmake -S . -B $(BUILD) -G Ninja \
+	  -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) \
+	  -DPython3_EXECUTABLE=$(abspath $(PYTHON)) \
+	  -DCMAKE_PREFIX_PATH="$$($(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+
+build: $(BUILD)/build.ninja
+	$(VENV)/bin/cmake --build $(BUILD) -j $(MAX_JOBS)
+
+# ---- tests and demo ---------------------------------------------------------------------------
+
+test-cpp: build
+	cd $(BUILD) && $(abspath $(VENV))/bin/ctest --output-on-failure
+
+test-python: build
+	$(PYTHON) -m pytest
+
+test: test-cpp test-python
+
+demo: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/torchrun --standalone --nproc-per-node=2 examples/python/tp_mlp.py
+
+clean:
+	rm -rf $(BUILD) torch_mp/_C*.so

@@ -1,0 +1,227 @@
+#include "torch_mp/collectives.h"
+
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/core/WrapDimMinimal.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace torch_mp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+int64_t chunk_size(const at::Tensor& x, int64_t dim, const GroupPtr& group, const char* op) {
+  const int64_t size = x.size(dim);
+  TORCH_CHECK(
+      size % group->getSize() == 0,
+      "torch_mp.",
+      op,
+      ": size ",
+      size,
+      " of dim ",
+      dim,
+      " is not divisible by the group size (",
+      group->getSize(),
+      ") on rank ",
+      group->getRank());
+  return size / group->getSize();
+}
+
+void check_group(const GroupPtr& group) {
+  TORCH_CHECK(group, "torch_mp: a collective was given no process group");
+}
+
+GroupPtr saved_group(AutogradContext* ctx) {
+  return ctx->saved_data.at("group").toCustomClass<c10d::ProcessGroup>();
+}
+
+int64_t saved_dim(AutogradContext* ctx) {
+  return ctx->saved_data.at("dim").toInt();
+}
+
+// Each op below is one autograd Function whose forward and backward are a pair of plain
+// collectives from the table in collectives.h.
+
+struct CopyToTp : torch::autograd::Function<CopyToTp> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group) {
+    ctx->saved_data["group"] = group;
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {comm::all_reduce(grads[0], saved_group(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group) {
+    return comm::all_reduce(x, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+struct ScatterToTp : torch::autograd::Function<ScatterToTp> {
+  static at::Tensor forward(
+      AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    return comm::split(x, dim, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {comm::all_gather(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GatherFromTp : torch::autograd::Function<GatherFromTp> {
+  static at::Tensor forward(
+      AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    return comm::all_gather(x, dim, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {comm::split(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GatherFromSp : torch::autograd::Function<GatherFromSp> {
+  static at::Tensor forward(
+      AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    return comm::all_gather(x, dim, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {
+        comm::reduce_scatter(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ReduceScatterToSp : torch::autograd::Function<ReduceScatterToSp> {
+  static at::Tensor forward(
+      AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["dim"] = dim;
+    return comm::reduce_scatter(x, dim, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {comm::all_gather(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Applies a dim-taking op, or returns `x` untouched on a one-rank group.
+template <typename Op>
+at::Tensor apply_along(const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  check_group(group);
+  const int64_t wrapped = c10::maybe_wrap_dim(dim, x.dim());
+  if (group->getSize() == 1) {
+    return x;
+  }
+  return Op::apply(x, group, wrapped);
+}
+
+template <typename Op>
+at::Tensor apply(const at::Tensor& x, const GroupPtr& group) {
+  check_group(group);
+  if (group->getSize() == 1) {
+    return x;
+  }
+  return Op::apply(x, group);
+}
+
+}  // namespace
+
+at::Tensor copy_to_tp(const at::Tensor& x, const GroupPtr& group) {
+  return apply<CopyToTp>(x, group);
+}
+
+at::Tensor reduce_from_tp(const at::Tensor& x, const GroupPtr& group) {
+  return apply<ReduceFromTp>(x, group);
+}
+
+at::Tensor scatter_to_tp(const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  return apply_along<ScatterToTp>(x, group, dim);
+}
+
+at::Tensor gather_from_tp(const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  return apply_along<GatherFromTp>(x, group, dim);
+}
+
+at::Tensor gather_from_sp(const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  return apply_along<GatherFromSp>(x, group, dim);
+}
+
+at::Tensor reduce_scatter_to_sp(const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  return apply_along<ReduceScatterToSp>(x, group, dim);
+}
+
+namespace comm {
+
+at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group) {
+  check_group(group);
+  std::vector<at::Tensor> tensors{x.clone(at::MemoryFormat::Contiguous)};
+  group->allreduce(tensors)->wait();
+  return tensors[0];
+}
+
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  check_group(group);
+  dim = c10::maybe_wrap_dim(dim, x.dim());
+  std::vector<at::Tensor> inputs{x.contiguous()};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int i = 0; i < group->getSize(); ++i) {
+    outputs[0].push_back(at::empty_like(inputs[0]));
+  }
+  group->allgather(outputs, inputs)->wait();
+  return at::cat(outputs[0], dim);
+}
+
+at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  check_group(group);
+  dim = c10::maybe_wrap_dim(dim, x.dim());
+  chunk_size(x, dim, group, "reduce_scatter");
+  std::vector<std::vector<at::Tensor>> inputs(1);
+  for (const auto& chunk : x.chunk(group->getSize(), dim)) {
+    inputs[0].push_back(chunk.contiguous());
+  }
+  std::vector<at::Tensor> outputs{at::empty_like(inputs[0][0])};
+  group->reduce_scatter(outputs, inputs)->wait();
+  return outputs[0];
+}
+
+at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  check_group(group);
+  dim = c10::maybe_wrap_dim(dim, x.dim());
+  const int64_t chunk = chunk_size(x, dim, group, "split");
+  return x.narrow(dim, group->getRank() * chunk, chunk).clone(at::MemoryFormat::Contiguous);
+}
+
+void check_same_across_ranks(
+    const std::vector<int64_t>& values, const GroupPtr& group, const std::string& what) {
+  check_group(group);
+  if (group->getSize() == 1) {
+    return;
+  }
+  const auto mine = at::tensor(values, at::kLong);
+  const auto all = all_gather(mine.unsqueeze(0), 0, group);
+  if (all.eq(mine).all().item<bool>()) {
+    return;
+  }
+  std::ostringstream msg;
+  msg << "torch_mp: " << what << " must be the same on every rank of the group, but ranks "
+      << "disagree (seen on rank " << group->getRank() << "):";
+  for (int64_t r = 0; r < all.size(0); ++r) {
+    msg << " rank " << r << " has [";
+    for (int64_t i = 0; i < all.size(1); ++i) {
+      msg << (i ? ", " : "") << all[r][i].item<int64_t>();
+    }
+    msg << "]" << (r + 1 < all.size(0) ? ";" : "");
+  }
+  TORCH_CHECK(false, msg.str());
+}
+
+}  // namespace comm
+}  // namespace torch_mp

@@ -1,0 +1,196 @@
+#include "torch_mp/mesh.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/cuda.h>
+
+#include "torch_mp/collectives.h"
+
+namespace torch_mp {
+
+MeshShape MeshShape::infer(
+    int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp) {
+  TORCH_CHECK(world_size > 0, "torch_mp.init: world size must be positive, got ", world_size);
+  TORCH_CHECK(tp > 0 && pp > 0, "torch_mp.init: tp and pp must be positive, got tp=", tp,
+              ", pp=", pp);
+  TORCH_CHECK(!dp || *dp > 0, "torch_mp.init: dp must be positive, got dp=", *dp);
+  if (!dp) {
+    TORCH_CHECK(
+        world_size % (tp * pp) == 0,
+        "torch_mp.init: world size ",
+        world_size,
+        " is not divisible by tp * pp = ",
+        tp,
+        " * ",
+        pp);
+    dp = world_size / (tp * pp);
+  }
+  TORCH_CHECK(
+      tp * pp * *dp == world_size,
+      "torch_mp.init: world size ",
+      world_size,
+      " is not tp * pp * dp = ",
+      tp,
+      " * ",
+      pp,
+      " * ",
+      *dp);
+  return MeshShape{tp, pp, *dp};
+}
+
+MeshCoord MeshShape::coord(int64_t rank) const {
+  TORCH_CHECK(rank >= 0 && rank < world_size(), "torch_mp: rank ", rank,
+              " is outside a mesh of ", world_size(), " ranks");
+  return MeshCoord{rank / (tp * dp), (rank / tp) % dp, rank % tp};
+}
+
+int64_t MeshShape::rank(const MeshCoord& c) const {
+  return (c.pp * dp + c.dp) * tp + c.tp;
+}
+
+int64_t MeshShape::size(Axis axis) const {
+  switch (axis) {
+    case Axis::kTensor:
+      return tp;
+    case Axis::kData:
+      return dp;
+    case Axis::kPipeline:
+      return pp;
+  }
+  return 0;
+}
+
+std::vector<std::vector<int64_t>> MeshShape::groups(Axis axis) const {
+  // A group is every rank whose other two coordinates match; list groups by their first rank.
+  std::vector<std::vector<int64_t>> result;
+  for (int64_t first = 0; first < world_size(); ++first) {
+    const MeshCoord c = coord(first);
+    const int64_t along = axis == Axis::kTensor ? c.tp : axis == Axis::kData ? c.dp : c.pp;
+    if (along != 0) {
+      continue;
+    }
+    std::vector<int64_t> ranks;
+    for (int64_t i = 0; i < size(axis); ++i) {
+      MeshCoord member = c;
+      (axis == Axis::kTensor ? member.tp : axis == Axis::kData ? member.dp : member.pp) = i;
+      ranks.push_back(rank(member));
+    }
+    result.push_back(std::move(ranks));
+  }
+  return result;
+}
+
+namespace {
+
+const char* axis_name(Axis axis) {
+  return axis == Axis::kTensor ? "tp" : axis == Axis::kData ? "dp" : "pp";
+}
+
+// Creates this rank's group along `axis`; each group rendezvouses under its own store prefix.
+GroupPtr make_axis_group(
+    const StorePtr& store,
+    const MeshShape& shape,
+    Axis axis,
+    int64_t rank,
+    Backend backend,
+    std::chrono::milliseconds timeout) {
+  const auto groups = shape.groups(axis);
+  for (size_t index = 0; index < groups.size(); ++index) {
+    const auto& ranks = groups[index];
+    const auto it = std::find(ranks.begin(), ranks.end(), rank);
+    if (it == ranks.end()) {
+      continue;
+    }
+    const std::string name = std::string("torch_mp/") + axis_name(axis) + "/" + std::to_string(index);
+    return new_process_group(
+        c10::make_intrusive<c10d::PrefixStore>(name, store),
+        static_cast<int>(it - ranks.begin()),
+        static_cast<int>(ranks.size()),
+        backend,
+        timeout,
+        name);
+  }
+  TORCH_INTERNAL_ASSERT(false, "rank ", rank, " is in no ", axis_name(axis), " group");
+}
+
+std::string env_or_throw(const char* name) {
+  const char* value = std::getenv(name);
+  TORCH_CHECK(
+      value && *value,
+      "torch_mp::init: environment variable ",
+      name,
+      " is not set; launch the program with torchrun (e.g. torchrun --no-python "
+      "--nproc-per-node=2 ./program)");
+  return value;
+}
+
+std::mutex default_mesh_mutex;
+std::shared_ptr<Mesh> default_mesh;
+
+}  // namespace
+
+std::shared_ptr<Mesh> make_mesh(
+    const StorePtr& store, int64_t rank, int64_t world_size, const InitOptions& options) {
+  auto mesh = std::make_shared<Mesh>();
+  mesh->rank = rank;
+  const Backend backend = options.backend().value_or(default_backend(torch::cuda::is_available()));
+  mesh->world = new_process_group(
+      c10::make_intrusive<c10d::PrefixStore>("torch_mp/world", store),
+      static_cast<int>(rank),
+      static_cast<int>(world_size),
+      backend,
+      options.timeout(),
+      "torch_mp/world");
+  // Agree on the request before acting on it: ranks that asked for different meshes all raise,
+  // instead of some failing alone and the rest waiting for groups that never form.
+  comm::check_same_across_ranks(
+      {options.tp(), options.pp(), options.dp().value_or(-1), static_cast<int64_t>(backend)},
+      mesh->world,
+      "torch_mp::init options [tp, pp, dp, backend]");
+  mesh->shape = MeshShape::infer(world_size, options.tp(), options.pp(), options.dp());
+  mesh->tp_group = make_axis_group(store, mesh->shape, Axis::kTensor, rank, backend, options.timeout());
+  mesh->dp_group = make_axis_group(store, mesh->shape, Axis::kData, rank, backend, options.timeout());
+  mesh->pp_group = make_axis_group(store, mesh->shape, Axis::kPipeline, rank, backend, options.timeout());
+  return mesh;
+}
+
+std::shared_ptr<Mesh> init(const InitOptions& options) {
+  const std::string host = env_or_throw("MASTER_ADDR");
+  const int port = std::stoi(env_or_throw("MASTER_PORT"));
+  const int64_t rank = std::stoll(env_or_throw("RANK"));
+  const int64_t world_size = std::stoll(env_or_throw("WORLD_SIZE"));
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(port);
+  store_options.isServer = rank == 0;
+  store_options.numWorkers = static_cast<size_t>(world_size);
+  store_options.timeout = options.timeout();
+  // Under torchrun the agent already serves the store on MASTER_PORT and says so in
+  // TORCHELASTIC_USE_AGENT_STORE; every rank is then a client. Otherwise rank 0 serves it.
+  if (const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+      agent && std::string(agent) == "True") {
+    store_options.isServer = false;
+  }
+  auto store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+  auto mesh = make_mesh(store, rank, world_size, options);
+  set_mesh(mesh);
+  return mesh;
+}
+
+std::shared_ptr<Mesh> get_mesh() {
+  std::lock_guard<std::mutex> lock(default_mesh_mutex);
+  TORCH_CHECK(default_mesh, "torch_mp: there is no default mesh; call torch_mp::init() first");
+  return default_mesh;
+}
+
+void set_mesh(std::shared_ptr<Mesh> mesh) {
+  std::lock_guard<std::mutex> lock(default_mesh_mutex);
+  default_mesh = std::move(mesh);
+}
+
+}  // namespace torch_mp

@@ -1,0 +1,119 @@
+#pragma once
+// The data x pipeline x tensor process-group mesh.
+//
+// Ranks are laid out tensor fastest, then data, then pipeline, so that a tensor group sits inside
+// one node:
+//
+//   rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+//
+//   world 8, tp 2, pp 2, dp 2:      tensor groups    [0 1] [2 3] [4 5] [6 7]
+//     pp_rank 0: dp 0 -> 0 1        data groups      [0 2] [1 3] [4 6] [5 7]
+//                dp 1 -> 2 3        pipeline groups  [0 4] [1 5] [2 6] [3 7]
+//     pp_rank 1: dp 0 -> 4 5
+//                dp 1 -> 6 7
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <torch/arg.h>
+
+#include "torch_mp/process_groups.h"
+
+namespace torch_mp {
+
+/// One axis of the mesh.
+enum class Axis { kTensor, kData, kPipeline };
+
+/// A rank's place on the mesh.
+struct MeshCoord {
+  int64_t pp = 0;
+  int64_t dp = 0;
+  int64_t tp = 0;
+};
+
+/// The sizes of the three axes and the rank arithmetic over them (no communication).
+struct MeshShape {
+  int64_t tp = 1;
+  int64_t pp = 1;
+  int64_t dp = 1;
+
+  /// The shape for `world_size` ranks; `dp` defaults to world_size / (tp * pp).
+  /// Raises if a size is not positive or tp * pp * dp != world_size.
+  static MeshShape infer(
+      int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp = std::nullopt);
+
+  int64_t world_size() const {
+    return tp * pp * dp;
+  }
+  /// Coordinates of world rank `rank`.
+  MeshCoord coord(int64_t rank) const;
+  /// World rank at `coord`.
+  int64_t rank(const MeshCoord& coord) const;
+  /// Size of one axis.
+  int64_t size(Axis axis) const;
+  /// Every group along `axis`, each as its world ranks in group-rank order. Groups are listed in
+  /// one fixed order, the same on every rank.
+  std::vector<std::vector<int64_t>> groups(Axis axis) const;
+};
+
+/// Options for `init` and `make_mesh`.
+struct InitOptions {
+  /// Tensor-parallel size.
+  TORCH_ARG(int64_t, tp) = 1;
+  /// Pipeline-parallel size.
+  TORCH_ARG(int64_t, pp) = 1;
+  /// Data-parallel size; inferred from the world size when unset.
+  TORCH_ARG(std::optional<int64_t>, dp) = std::nullopt;
+  /// Backend; NCCL when CUDA is available, Gloo otherwise, when unset.
+  TORCH_ARG(std::optional<Backend>, backend) = std::nullopt;
+  /// Timeout of every collective on the mesh's groups.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+};
+
+/// The process groups of one rank: the world and the three axes through it.
+struct Mesh {
+  MeshShape shape;
+  int64_t rank = 0;
+  GroupPtr world;
+  GroupPtr tp_group;
+  GroupPtr dp_group;
+  GroupPtr pp_group;
+
+  int64_t tp_rank() const {
+    return shape.coord(rank).tp;
+  }
+  int64_t dp_rank() const {
+    return shape.coord(rank).dp;
+  }
+  int64_t pp_rank() const {
+    return shape.coord(rank).pp;
+  }
+  int64_t tp_size() const {
+    return shape.tp;
+  }
+  int64_t dp_size() const {
+    return shape.dp;
+  }
+  int64_t pp_size() const {
+    return shape.pp;
+  }
+};
+
+/// Builds the mesh of rank `rank` among `world_size` ranks that share `store`. Every rank must
+/// call it with the same options; a difference is detected and raised on every rank.
+std::shared_ptr<Mesh> make_mesh(
+    const StorePtr& store, int64_t rank, int64_t world_size, const InitOptions& options = {});
+
+/// Initialises torch_mp in a process launched by torchrun: reads MASTER_ADDR, MASTER_PORT, RANK
+/// and WORLD_SIZE, connects a TCPStore, builds the mesh and makes it the default one.
+std::shared_ptr<Mesh> init(const InitOptions& options = {});
+
+/// The default mesh (set by `init` or `set_mesh`); raises if there is none.
+std::shared_ptr<Mesh> get_mesh();
+
+/// Makes `mesh` the default mesh (nullptr clears it).
+void set_mesh(std::shared_ptr<Mesh> mesh);
+
+}  // namespace torch_mp

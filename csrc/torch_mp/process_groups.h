@@ -1,0 +1,47 @@
+#pragma once
+// Creating c10d process groups from C++ (the Python front end gets its groups from
+// torch.distributed instead).
+
+#include <chrono>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace torch_mp {
+
+/// A c10d process group, as every torch_mp function that communicates takes it.
+using GroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+/// A c10d key-value store (TCPStore, HashStore, ...).
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+
+/// Communication backend of a process group.
+enum class Backend {
+  kGloo,  ///< CPU tensors
+  kNccl,  ///< CUDA tensors
+};
+
+/// Parses "gloo" or "nccl"; raises on anything else.
+Backend parse_backend(const std::string& name);
+
+/// The backend for tensors on `device`: NCCL for CUDA, Gloo otherwise.
+Backend default_backend(bool cuda);
+
+/// Creates a process group of `size` ranks in which this process has rank `rank`.
+///
+/// All members must call it with the same `store` contents: give each group its own store
+/// (a c10d::PrefixStore over a shared one). `timeout` bounds every collective on the group, so a
+/// dead or absent peer turns into an error instead of a hang. `name` names the group in c10d's
+/// messages.
+///
+/// Raises if the backend was not compiled in (Gloo needs its headers at build time, NCCL a CUDA
+/// build of torch).
+GroupPtr new_process_group(
+    const StorePtr& store,
+    int rank,
+    int size,
+    Backend backend,
+    std::chrono::milliseconds timeout,
+    const std::string& name);
+
+}  // namespace torch_mp

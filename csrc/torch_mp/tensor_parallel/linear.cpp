@@ -1,0 +1,301 @@
+#include "torch_mp/tensor_parallel/linear.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/nn/init.h>
+
+#include "torch_mp/collectives.h"
+#include "torch_mp/mesh.h"
+#include "torch_mp/tensor_parallel/sharding.h"
+
+namespace torch_mp::tensor_parallel {
+namespace {
+
+GroupPtr group_or_default(const GroupPtr& group) {
+  return group ? group : get_mesh()->tp_group;
+}
+
+// The shard size this rank's weight must have along the split dim; names the layer on mismatch.
+void check_shard(
+    const char* layer, const char* what, int64_t shard, int64_t full, const GroupPtr& group) {
+  TORCH_CHECK(
+      shard * group->getSize() == full,
+      layer,
+      ": the weight shard has ",
+      shard,
+      " ",
+      what,
+      " but ",
+      what,
+      " (",
+      full,
+      ") split over a tensor-parallel group of size ",
+      group->getSize(),
+      " needs ",
+      full / group->getSize(),
+      " per rank (rank ",
+      group->getRank(),
+      "); the layer was built for a different group size");
+}
+
+}  // namespace
+
+at::Tensor column_parallel_linear(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    int64_t out_features,
+    bool gather_output,
+    bool sequence_parallel,
+    const GroupPtr& group) {
+  check_shard("ColumnParallelLinear", "out_features", weight.size(0), out_features, group);
+  const at::Tensor x =
+      sequence_parallel ? gather_from_sp(input, group, 0) : copy_to_tp(input, group);
+  const at::Tensor y = at::linear(x, weight, bias);
+  return gather_output ? gather_from_tp(y, group, -1) : y;
+}
+
+at::Tensor row_parallel_linear(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    int64_t in_features,
+    bool input_is_parallel,
+    bool sequence_parallel,
+    const GroupPtr& group) {
+  check_shard("RowParallelLinear", "in_features", weight.size(1), in_features, group);
+  const at::Tensor x = input_is_parallel ? input : scatter_to_tp(input, group, -1);
+  const at::Tensor partial = at::linear(x, weight);
+  const at::Tensor y =
+      sequence_parallel ? reduce_scatter_to_sp(partial, group, 0) : reduce_from_tp(partial, group);
+  return bias && bias->defined() ? y + *bias : y;
+}
+
+void check_column_parallel_linear(
+    int64_t in_features,
+    int64_t out_features,
+    bool bias,
+    bool gather_output,
+    bool sequence_parallel,
+    const GroupPtr& group) {
+  divide(out_features, group->getSize(), "ColumnParallelLinear: out_features");
+  TORCH_CHECK(
+      !(gather_output && sequence_parallel),
+      "ColumnParallelLinear: gather_output and sequence_parallel cannot both be set "
+      "(a sequence-parallel layer hands its split output to a RowParallelLinear)");
+  comm::check_same_across_ranks(
+      {in_features, out_features, bias, gather_output, sequence_parallel},
+      group,
+      "ColumnParallelLinear configuration [in_features, out_features, bias, gather_output, "
+      "sequence_parallel]");
+}
+
+void check_row_parallel_linear(
+    int64_t in_features,
+    int64_t out_features,
+    bool bias,
+    bool input_is_parallel,
+    bool sequence_parallel,
+    const GroupPtr& group) {
+  divide(in_features, group->getSize(), "RowParallelLinear: in_features");
+  TORCH_CHECK(
+      input_is_parallel || !sequence_parallel,
+      "RowParallelLinear: sequence_parallel needs input_is_parallel=True");
+  comm::check_same_across_ranks(
+      {in_features, out_features, bias, input_is_parallel, sequence_parallel},
+      group,
+      "RowParallelLinear configuration [in_features, out_features, bias, input_is_parallel, "
+      "sequence_parallel]");
+}
+
+void init_parallel_linear_(
+    at::Tensor& weight,
+    std::optional<at::Tensor> bias,
+    int64_t in_features,
+    int64_t out_features,
+    int64_t shard_dim,
+    const GroupPtr& group) {
+  at::NoGradGuard no_grad;
+  // Draw the dense tensors in nn.Linear's order from the default generator, then keep our shard.
+  auto full_weight = at::empty({out_features, in_features}, weight.options());
+  torch::nn::init::kaiming_uniform_(full_weight, std::sqrt(5.0));
+  weight.copy_(shard(full_weight, shard_dim, group));
+  if (bias && bias->defined()) {
+    const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
+    auto full_bias = at::empty({out_features}, bias->options()).uniform_(-bound, bound);
+    bias->copy_(shard_dim == 0 ? shard(full_bias, 0, group) : full_bias);
+  }
+}
+
+// ---- ColumnParallelLinear --------------------------------------------------------------------
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options_, bool initialise)
+    : options(std::move(options_)), initialise_(initialise) {
+  reset();
+}
+
+void ColumnParallelLinearImpl::reset() {
+  options.group(group_or_default(options.group()));
+  const auto& group = options.group();
+  check_column_parallel_linear(
+      options.in_features(),
+      options.out_features(),
+      options.bias(),
+      options.gather_output(),
+      options.sequence_parallel(),
+      group);
+  const int64_t local_out = options.out_features() / group->getSize();
+  weight = register_parameter("weight", at::empty({local_out, options.in_features()}));
+  bias = register_parameter("bias", options.bias() ? at::empty({local_out}) : at::Tensor(),
+                            /*requires_grad=*/options.bias());
+  if (initialise_) {
+    reset_parameters();
+  }
+}
+
+void ColumnParallelLinearImpl::reset_parameters() {
+  init_parallel_linear_(
+      weight,
+      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+      options.in_features(),
+      options.out_features(),
+      0,
+      options.group());
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
+  return column_parallel_linear(
+      input,
+      weight,
+      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+      options.out_features(),
+      options.gather_output(),
+      options.sequence_parallel(),
+      options.group());
+}
+
+void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "torch_mp::ColumnParallelLinear(in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
+         << options.bias() << ", gather_output=" << options.gather_output()
+         << ", sequence_parallel=" << options.sequence_parallel()
+         << ", tp_size=" << options.group()->getSize() << ")";
+}
+
+ColumnParallelLinear ColumnParallelLinearImpl::from_dense(
+    const torch::nn::Linear& dense, ColumnParallelLinearOptions options) {
+  const auto& dense_options = dense->options;
+  TORCH_CHECK(
+      dense_options.in_features() == options.in_features() &&
+          dense_options.out_features() == options.out_features() &&
+          dense_options.bias() == options.bias(),
+      "ColumnParallelLinear.from_dense: the options must match the dense layer's in_features, "
+      "out_features and bias");
+  ColumnParallelLinear layer(std::shared_ptr<ColumnParallelLinearImpl>(
+      new ColumnParallelLinearImpl(std::move(options), /*initialise=*/false)));
+  at::NoGradGuard no_grad;
+  layer->weight.copy_(shard(dense->weight, 0, layer->options.group()));
+  if (layer->options.bias()) {
+    layer->bias.copy_(shard(dense->bias, 0, layer->options.group()));
+  }
+  return layer;
+}
+
+torch::nn::Linear ColumnParallelLinearImpl::to_dense() const {
+  torch::nn::Linear dense(torch::nn::LinearOptions(options.in_features(), options.out_features())
+                              .bias(options.bias()));
+  at::NoGradGuard no_grad;
+  dense->weight.copy_(unshard(weight, 0, options.group()));
+  if (options.bias()) {
+    dense->bias.copy_(unshard(bias, 0, options.group()));
+  }
+  return dense;
+}
+
+// ---- RowParallelLinear -----------------------------------------------------------------------
+
+RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options_, bool initialise)
+    : options(std::move(options_)), initialise_(initialise) {
+  reset();
+}
+
+void RowParallelLinearImpl::reset() {
+  options.group(group_or_default(options.group()));
+  const auto& group = options.group();
+  check_row_parallel_linear(
+      options.in_features(),
+      options.out_features(),
+      options.bias(),
+      options.input_is_parallel(),
+      options.sequence_parallel(),
+      group);
+  const int64_t local_in = options.in_features() / group->getSize();
+  weight = register_parameter("weight", at::empty({options.out_features(), local_in}));
+  bias = register_parameter("bias", options.bias() ? at::empty({options.out_features()}) : at::Tensor(),
+                            /*requires_grad=*/options.bias());
+  if (initialise_) {
+    reset_parameters();
+  }
+}
+
+void RowParallelLinearImpl::reset_parameters() {
+  init_parallel_linear_(
+      weight,
+      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+      options.in_features(),
+      options.out_features(),
+      1,
+      options.group());
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
+  return row_parallel_linear(
+      input,
+      weight,
+      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+      options.in_features(),
+      options.input_is_parallel(),
+      options.sequence_parallel(),
+      options.group());
+}
+
+void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "torch_mp::RowParallelLinear(in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
+         << options.bias() << ", input_is_parallel=" << options.input_is_parallel()
+         << ", sequence_parallel=" << options.sequence_parallel()
+         << ", tp_size=" << options.group()->getSize() << ")";
+}
+
+RowParallelLinear RowParallelLinearImpl::from_dense(
+    const torch::nn::Linear& dense, RowParallelLinearOptions options) {
+  const auto& dense_options = dense->options;
+  TORCH_CHECK(
+      dense_options.in_features() == options.in_features() &&
+          dense_options.out_features() == options.out_features() &&
+          dense_options.bias() == options.bias(),
+      "RowParallelLinear.from_dense: the options must match the dense layer's in_features, "
+      "out_features and bias");
+  RowParallelLinear layer(std::shared_ptr<RowParallelLinearImpl>(
+      new RowParallelLinearImpl(std::move(options), /*initialise=*/false)));
+  at::NoGradGuard no_grad;
+  layer->weight.copy_(shard(dense->weight, 1, layer->options.group()));
+  if (layer->options.bias()) {
+    layer->bias.copy_(dense->bias);
+  }
+  return layer;
+}
+
+torch::nn::Linear RowParallelLinearImpl::to_dense() const {
+  torch::nn::Linear dense(torch::nn::LinearOptions(options.in_features(), options.out_features())
+                              .bias(options.bias()));
+  at::NoGradGuard no_grad;
+  dense->weight.copy_(unshard(weight, 1, options.group()));
+  if (options.bias()) {
+    dense->bias.copy_(bias);
+  }
+  return dense;
+}
+
+}  // namespace torch_mp::tensor_parallel

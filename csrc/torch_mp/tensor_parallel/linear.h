@@ -1,0 +1,206 @@
+#pragma once
+// Column- and row-parallel Linear layers (Megatron-style), as functions and as torch::nn modules.
+//
+//   ColumnParallelLinear   Y_i = X A_i^T + b_i      weight [out/t, in]: rows of the dense weight
+//   RowParallelLinear      Y = sum_i X_i A_i^T + b  weight [out, in/t]: columns of the dense weight
+//
+// A column layer followed by a row layer (an MLP) needs one all-reduce forward and one backward.
+// The Python modules in torch_mp.tensor_parallel call the same functions.
+
+#include <optional>
+#include <ostream>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include "torch_mp/process_groups.h"
+
+namespace torch_mp::tensor_parallel {
+
+// ---- functions shared by the C++ and Python modules ------------------------------------------
+
+/// Forward of a column-parallel linear layer.
+///
+/// `weight` is this rank's [out_features / t, in_features] shard, `bias` its [out_features / t]
+/// shard. The input is copied into the tensor-parallel region (its gradient all-reduced) or, with
+/// `sequence_parallel`, all-gathered along dim 0 (the sequence dim of [s, b, h] tensors).
+/// Returns this rank's output columns, or all of them with `gather_output`.
+/// Raises if the shard does not match `out_features` split over the group.
+at::Tensor column_parallel_linear(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    int64_t out_features,
+    bool gather_output,
+    bool sequence_parallel,
+    const GroupPtr& group);
+
+/// Forward of a row-parallel linear layer.
+///
+/// `weight` is this rank's [out_features, in_features / t] shard; `bias` is whole and added once,
+/// after the reduction. With `input_is_parallel` the input is already this rank's slice of the
+/// last dim, otherwise it is split here. Partial products are all-reduced or, with
+/// `sequence_parallel`, reduce-scattered along dim 0.
+/// Raises if the shard does not match `in_features` split over the group.
+at::Tensor row_parallel_linear(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    int64_t in_features,
+    bool input_is_parallel,
+    bool sequence_parallel,
+    const GroupPtr& group);
+
+/// Checks a column-parallel layer's configuration: sizes divisible by the group size, no
+/// `gather_output` together with `sequence_parallel`, and the same configuration on every rank
+/// of the group (one small all-gather). Raises with the reason otherwise.
+void check_column_parallel_linear(
+    int64_t in_features,
+    int64_t out_features,
+    bool bias,
+    bool gather_output,
+    bool sequence_parallel,
+    const GroupPtr& group);
+
+/// The same checks for a row-parallel layer (`sequence_parallel` needs `input_is_parallel`).
+void check_row_parallel_linear(
+    int64_t in_features,
+    int64_t out_features,
+    bool bias,
+    bool input_is_parallel,
+    bool sequence_parallel,
+    const GroupPtr& group);
+
+/// Fills the shards `weight` (and `bias`) with this rank's part of a dense [out, in] Linear
+/// initialised exactly as torch.nn.Linear does (Kaiming-uniform weight, uniform(+-1/sqrt(in))
+/// bias). Ranks seeded alike hold shards of one dense layer, and that layer equals the
+/// nn.Linear the same seed would give. `shard_dim` is 0 for column, 1 for row layers; a row
+/// layer's bias is whole.
+void init_parallel_linear_(
+    at::Tensor& weight,
+    std::optional<at::Tensor> bias,
+    int64_t in_features,
+    int64_t out_features,
+    int64_t shard_dim,
+    const GroupPtr& group);
+
+// ---- torch::nn modules -----------------------------------------------------------------------
+
+/// Options of ColumnParallelLinear.
+struct ColumnParallelLinearOptions {
+  ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  /// Size of each input sample.
+  TORCH_ARG(int64_t, in_features);
+  /// Size of each output sample (of the dense layer).
+  TORCH_ARG(int64_t, out_features);
+  /// Whether the layer has a bias.
+  TORCH_ARG(bool, bias) = true;
+  /// All-gather the output so every rank gets all out_features.
+  TORCH_ARG(bool, gather_output) = false;
+  /// Input sharded along the sequence dim (0); all-gathered before the product.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  /// The tensor-parallel group; the default mesh's when null.
+  TORCH_ARG(GroupPtr, group) = {};
+};
+
+/// Options of RowParallelLinear.
+struct RowParallelLinearOptions {
+  RowParallelLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  /// Size of each input sample (of the dense layer).
+  TORCH_ARG(int64_t, in_features);
+  /// Size of each output sample.
+  TORCH_ARG(int64_t, out_features);
+  /// Whether the layer has a bias (whole on every rank, added after the reduction).
+  TORCH_ARG(bool, bias) = true;
+  /// The input is already split along its last dim (e.g. a column layer's output).
+  TORCH_ARG(bool, input_is_parallel) = true;
+  /// Reduce-scatter the output along the sequence dim (0) instead of all-reducing it.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  /// The tensor-parallel group; the default mesh's when null.
+  TORCH_ARG(GroupPtr, group) = {};
+};
+
+class ColumnParallelLinear;
+class RowParallelLinear;
+
+/// A Linear layer whose output features are split across the tensor-parallel group.
+class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl> {
+ public:
+  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features)
+      : ColumnParallelLinearImpl(ColumnParallelLinearOptions(in_features, out_features)) {}
+  explicit ColumnParallelLinearImpl(ColumnParallelLinearOptions options)
+      : ColumnParallelLinearImpl(std::move(options), /*initialise=*/true) {}
+
+  /// Checks the options and registers and initialises the parameters.
+  void reset() override;
+  /// Re-draws the parameters (see init_parallel_linear_).
+  void reset_parameters();
+  /// Applies the layer (see column_parallel_linear).
+  at::Tensor forward(const at::Tensor& input);
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Shards `dense` for `options.group()`; `options` must name the dense layer's sizes and bias.
+  static ColumnParallelLinear from_dense(
+      const torch::nn::Linear& dense, ColumnParallelLinearOptions options);
+  /// The dense layer, gathered from every rank (a collective: call it on all ranks).
+  torch::nn::Linear to_dense() const;
+
+  ColumnParallelLinearOptions options;
+  /// This rank's [out_features / t, in_features] shard of the weight.
+  at::Tensor weight;
+  /// This rank's [out_features / t] shard of the bias (undefined without bias).
+  at::Tensor bias;
+
+ private:
+  // from_dense copies the parameters instead of drawing them, leaving the default random
+  // generator untouched (sharding a model must not change the data a program draws next).
+  ColumnParallelLinearImpl(ColumnParallelLinearOptions options, bool initialise);
+  bool initialise_ = true;
+};
+
+/// A Linear layer whose input features are split across the tensor-parallel group.
+class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl> {
+ public:
+  RowParallelLinearImpl(int64_t in_features, int64_t out_features)
+      : RowParallelLinearImpl(RowParallelLinearOptions(in_features, out_features)) {}
+  explicit RowParallelLinearImpl(RowParallelLinearOptions options)
+      : RowParallelLinearImpl(std::move(options), /*initialise=*/true) {}
+
+  /// Checks the options and registers and initialises the parameters.
+  void reset() override;
+  /// Re-draws the parameters (see init_parallel_linear_).
+  void reset_parameters();
+  /// Applies the layer (see row_parallel_linear).
+  at::Tensor forward(const at::Tensor& input);
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Shards `dense` for `options.group()`; `options` must name the dense layer's sizes and bias.
+  static RowParallelLinear from_dense(
+      const torch::nn::Linear& dense, RowParallelLinearOptions options);
+  /// The dense layer, gathered from every rank (a collective: call it on all ranks).
+  torch::nn::Linear to_dense() const;
+
+  RowParallelLinearOptions options;
+  /// This rank's [out_features, in_features / t] shard of the weight.
+  at::Tensor weight;
+  /// The whole [out_features] bias (undefined without bias).
+  at::Tensor bias;
+
+ private:
+  // from_dense copies the parameters instead of drawing them, leaving the default random
+  // generator untouched (sharding a model must not change the data a program draws next).
+  RowParallelLinearImpl(RowParallelLinearOptions options, bool initialise);
+  bool initialise_ = true;
+};
+
+/// Holder of ColumnParallelLinearImpl, used like torch::nn::Linear.
+TORCH_MODULE(ColumnParallelLinear);
+/// Holder of RowParallelLinearImpl, used like torch::nn::Linear.
+TORCH_MODULE(RowParallelLinear);
+
+}  // namespace torch_mp::tensor_parallel

@@ -1,0 +1,8 @@
+#pragma once
+// torch_mp for LibTorch applications: include this one header and link torch_mp::torch_mp.
+
+#include "torch_mp/collectives.h"           // IWYU pragma: export
+#include "torch_mp/mesh.h"                  // IWYU pragma: export
+#include "torch_mp/process_groups.h"        // IWYU pragma: export
+#include "torch_mp/tensor_parallel/linear.h"    // IWYU pragma: export
+#include "torch_mp/tensor_parallel/sharding.h"  // IWYU pragma: export

@@ -1,0 +1,114 @@
+"""A pool of real multi-process Gloo worlds for the tests.
+
+Starting N processes that import torch costs seconds on 2 cores, so each world size is started
+once per test session and runs many test bodies. ``World.run(fn, *args)`` runs the importable
+function ``fn(*args)`` on every rank, with ``torch.distributed`` initialised (Gloo, short
+timeout), and returns the per-rank results; an exception on any rank is raised here with that
+rank's traceback. A body that hangs past ``RUN_TIMEOUT`` kills the world and fails the test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+GROUP_TIMEOUT_S = 20  # every collective in the workers; a hang becomes an error this fast
+RUN_TIMEOUT_S = 120  # one test body on all ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, size: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(size),
+        OMP_NUM_THREADS="1",
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises)
+            results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class World:
+    """``size`` worker processes joined in one Gloo world."""
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(size)]
+        port = _free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, size, port, self._tasks[r], self._results))
+            for r in range(size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Runs ``fn(*args)`` on every rank; returns the results in rank order."""
+        for q in self._tasks:
+            q.put((fn, args))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        for _ in range(self.size):
+            try:
+                rank, ok, value = self._results.get(timeout=RUN_TIMEOUT_S)
+            except queue.Empty:
+                self.close(kill=True)
+                raise TimeoutError(f"{fn.__name__} did not finish on all ranks in {RUN_TIMEOUT_S}s")
+            (results if ok else errors)[rank] = value
+        if errors:
+            first = min(errors)
+            raise RankError(first, errors[first], sorted(errors))
+        return [results[r] for r in range(self.size)]
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self._procs, self._tasks):
+            if kill:
+                p.kill()
+            elif p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+
+class RankError(RuntimeError):
+    """A test body raised on at least one rank; carries the lowest such rank's traceback."""
+
+    def __init__(self, rank: int, text: str, ranks: list[int]) -> None:
+        super().__init__(f"raised on ranks {ranks}; rank {rank}:\n{text}")
+        self.rank = rank
+        self.text = text
+        self.ranks = ranks

@@ -1,0 +1,74 @@
+"""torch_mp.init: the mesh's groups follow rank = (pp_rank * dp + dp_rank) * tp + tp_rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_mp
+from reference import error_of, use_mesh
+
+
+def _members(group: dist.ProcessGroup) -> list[int]:
+    """World ranks of ``group``, in group-rank order, found by communicating over it."""
+    out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, torch.tensor([dist.get_rank()]), group=group)
+    return [int(t) for t in out]
+
+
+def _layout(tp: int, pp: int) -> dict:
+    mesh = use_mesh(tp, pp)
+    return {
+        "sizes": (mesh.tp_size, mesh.pp_size, mesh.dp_size),
+        "ranks": (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank),
+        "tp": _members(mesh.tp_group),
+        "dp": _members(mesh.dp_group),
+        "pp": _members(mesh.pp_group),
+        "default_is_this": torch_mp.get_mesh() is mesh,
+    }
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)])
+def test_groups_follow_tensor_then_data_then_pipeline(world4, tp, pp):
+    dp = 4 // (tp * pp)
+    for rank, got in enumerate(world4.run(_layout, tp, pp)):
+        tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        assert got["sizes"] == (tp, pp, dp)
+        assert got["ranks"] == (tp_rank, pp_rank, dp_rank)
+
+        def at(p, d, t):
+            return (p * dp + d) * tp + t
+
+        assert got["tp"] == [at(pp_rank, dp_rank, i) for i in range(tp)]
+        assert got["dp"] == [at(pp_rank, i, tp_rank) for i in range(dp)]
+        assert got["pp"] == [at(i, dp_rank, tp_rank) for i in range(pp)]
+        assert got["default_is_this"]
+
+
+def _bad_init(kwargs: dict) -> str | None:
+    return error_of(torch_mp.init, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"tp": 3}, "world size 4 is not divisible by tp * pp = 3 * 1"),
+        ({"tp": 2, "dp": 3}, "world size 4 is not tp * pp * dp = 2 * 1 * 3"),
+        ({"tp": 0}, "tp and pp must be positive"),
+    ],
+)
+def test_a_world_size_that_does_not_factor_raises(world4, kwargs, message):
+    for got in world4.run(_bad_init, kwargs):
+        assert got is not None and message in got
+
+
+def _init_differs_between_ranks(tp_of_rank_0: int) -> str | None:
+    return error_of(torch_mp.init, tp=tp_of_rank_0 if dist.get_rank() == 0 else 1)
+
+
+@pytest.mark.parametrize("tp_of_rank_0", [2, 3], ids=["valid-everywhere", "invalid-on-rank-0"])
+def test_init_arguments_that_differ_between_ranks_raise_on_every_rank(world2, tp_of_rank_0):
+    for got in world2.run(_init_differs_between_ranks, tp_of_rank_0):
+        assert got is not None
+        assert "torch_mp.init arguments [tp, pp, dp] must be the same on every rank" in got

@@ -1,0 +1,29 @@
+"""torch_mp: model-parallel training for PyTorch over one C++ core.
+
+Launch with ``torchrun``, then::
+
+    import torch_mp
+    mesh = torch_mp.init(tp=2)                       # tensor x data x pipeline groups
+    fc1 = torch_mp.ColumnParallelLinear(1024, 4096)  # output features split over mesh.tp_group
+    fc2 = torch_mp.RowParallelLinear(4096, 1024)     # input features split, output all-reduced
+"""
+
+import torch
+import torch.distributed  # noqa: F401  (registers the c10d types the core uses)
+
+from torch_mp import _C  # noqa: F401
+from torch_mp import functional
+from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
+from torch_mp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallelLinear",
+    "Mesh",
+    "RowParallelLinear",
+    "functional",
+    "get_mesh",
+    "init",
+    "set_mesh",
+]

@@ -1,0 +1,74 @@
+"""Autograd-aware collectives over a tensor-parallel group (implemented in the C++ core).
+
+=====================  =====================  ================
+op                     forward                backward
+=====================  =====================  ================
+copy_to_tp             identity               all-reduce
+reduce_from_tp         all-reduce             identity
+scatter_to_tp (dim)    split, keep own chunk  all-gather
+gather_from_tp (dim)   all-gather             split
+gather_from_sp (dim)   all-gather             reduce-scatter
+reduce_scatter_to_sp   reduce-scatter         all-gather
+=====================  =====================  ================
+
+Every op takes ``group`` (a ``torch.distributed`` group; the default mesh's tensor group when
+None) and is the identity on a group of one rank. Splitting ops raise ``RuntimeError`` when the
+size along ``dim`` is not divisible by the group size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_mp import _C
+from torch_mp.mesh import tp_group_name
+
+__all__ = [
+    "copy_to_tp",
+    "gather_from_sp",
+    "gather_from_tp",
+    "reduce_from_tp",
+    "reduce_scatter_to_sp",
+    "scatter_to_tp",
+]
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Identity forward; all-reduces the gradient. Enters a tensor-parallel region."""
+    return _C.copy_to_tp(x, tp_group_name(group))
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sums ``x`` over the group forward; identity backward. Leaves a tensor-parallel region."""
+    return _C.reduce_from_tp(x, tp_group_name(group))
+
+
+def scatter_to_tp(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = -1
+) -> torch.Tensor:
+    """Keeps this rank's chunk of ``x`` along ``dim``; all-gathers the gradient."""
+    return _C.scatter_to_tp(x, tp_group_name(group), dim)
+
+
+def gather_from_tp(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = -1
+) -> torch.Tensor:
+    """Concatenates every rank's ``x`` along ``dim``; keeps this rank's chunk of the gradient."""
+    return _C.gather_from_tp(x, tp_group_name(group), dim)
+
+
+def gather_from_sp(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 0
+) -> torch.Tensor:
+    """All-gathers a sequence-parallel tensor along the sequence ``dim`` (0 for ``[s, b, h]``);
+    reduce-scatters the gradient."""
+    return _C.gather_from_sp(x, tp_group_name(group), dim)
+
+
+def reduce_scatter_to_sp(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 0
+) -> torch.Tensor:
+    """Sums ``x`` over the group and keeps this rank's chunk along the sequence ``dim``;
+    all-gathers the gradient."""
+    return _C.reduce_scatter_to_sp(x, tp_group_name(group), dim)

@@ -1,0 +1,152 @@
+"""The data x pipeline x tensor process-group mesh (rank arithmetic in the C++ core)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torch_mp import _C
+
+_default_mesh: Mesh | None = None
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's process groups along the three axes of the mesh.
+
+    Ranks are laid out tensor fastest, then data, then pipeline:
+    ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, so a tensor group sits inside one node.
+
+    Attributes:
+        tp_group: The tensor-parallel group (an ordinary ``torch.distributed`` group).
+        pp_group: The pipeline-parallel group.
+        dp_group: The data-parallel group.
+        tp_size, pp_size, dp_size: The sizes of the three axes.
+    """
+
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    tp_size: int
+    pp_size: int
+    dp_size: int
+
+    def __repr__(self) -> str:
+        return (
+            f"Mesh(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}; "
+            f"tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, dp_rank={self.dp_rank})"
+        )
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's rank in its tensor-parallel group."""
+        return dist.get_rank(self.tp_group)
+
+    @property
+    def pp_rank(self) -> int:
+        """This process's rank in its pipeline-parallel group (its stage)."""
+        return dist.get_rank(self.pp_group)
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's rank in its data-parallel group."""
+        return dist.get_rank(self.dp_group)
+
+
+def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def init(
+    tp: int = 1,
+    pp: int = 1,
+    dp: int | None = None,
+    backend: str | None = None,
+    timeout: datetime.timedelta | float | None = None,
+) -> Mesh:
+    """Builds the tensor, pipeline and data groups and makes them the default mesh.
+
+    Initialises ``torch.distributed`` from the torchrun environment (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) unless a default group already exists, which is
+    then used as it is. Every rank must call ``init`` with the same arguments.
+
+    Args:
+        tp: Tensor-parallel size.
+        pp: Pipeline-parallel size.
+        dp: Data-parallel size; ``world_size // (tp * pp)`` when None.
+        backend: ``"nccl"`` or ``"gloo"``; NCCL when CUDA is available, Gloo otherwise.
+        timeout: Timeout of every collective on the new groups (a ``timedelta`` or seconds), so
+            that a dead peer raises instead of hanging; torch's default when None.
+
+    Returns:
+        The new default :class:`Mesh`.
+
+    Raises:
+        RuntimeError: If the world size is not ``tp * pp * dp``, or ranks passed different
+            arguments.
+    """
+    global _default_mesh
+    timeout = _as_timedelta(timeout)
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend, timeout=timeout)
+    world = dist.group.WORLD
+    # Agree on the request before acting on it, so that ranks that asked for different meshes
+    # all raise instead of waiting for groups the others never create.
+    _C.check_same_across_ranks(
+        [tp, pp, -1 if dp is None else dp], world.group_name, "torch_mp.init arguments [tp, pp, dp]"
+    )
+    tp, pp, dp = _C.mesh_shape(dist.get_world_size(), tp, pp, dp)
+    rank = dist.get_rank()
+    mine = {}
+    # new_group must be called by every rank for every group, in the same order.
+    for axis, groups in _C.mesh_groups(tp, pp, dp).items():
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                mine[axis] = group
+    _default_mesh = Mesh(
+        tp_group=mine["tp"],
+        pp_group=mine["pp"],
+        dp_group=mine["dp"],
+        tp_size=tp,
+        pp_size=pp,
+        dp_size=dp,
+    )
+    return _default_mesh
+
+
+def get_mesh() -> Mesh:
+    """Returns the default mesh made by :func:`init`.
+
+    Raises:
+        RuntimeError: If :func:`init` has not been called.
+    """
+    if _default_mesh is None:
+        raise RuntimeError("torch_mp: there is no default mesh; call torch_mp.init() first")
+    return _default_mesh
+
+
+def set_mesh(mesh: Mesh | None) -> None:
+    """Makes ``mesh`` the default mesh (None clears it)."""
+    global _default_mesh
+    _default_mesh = mesh
+
+
+def tp_group_name(group: dist.ProcessGroup | None) -> str:
+    """The registry name of ``group``, or of the default mesh's tensor group when None.
+
+    The C++ core looks groups up by this name (see csrc/python/bindings.cpp).
+    """
+    if group is None:
+        group = get_mesh().tp_group
+    return group.group_name
