@@ -33,7 +33,11 @@ class CMakeBuild(build_ext):
         build_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         configure = [
-            "cmake", "-S", str(ROOT), "-B", str(build_dir),
+            "cmake",
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build_dir),
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
             f"-DTORCH_MP_PYTHON_OUTPUT_DIR={output_dir}",

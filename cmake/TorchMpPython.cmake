@@ -5,7 +5,10 @@
 find_package(Python3 REQUIRED COMPONENTS Interpreter Development.Module)
 find_library(TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED)
 
-Python3_add_library(_C MODULE WITH_SOABI csrc/python/bindings.cpp $<TARGET_OBJECTS:torch_mp_core>)
+Python3_add_library(_C MODULE WITH_SOABI
+  csrc/python/bindings.cpp
+  csrc/python/pipeline_bindings.cpp
+  $<TARGET_OBJECTS:torch_mp_core>)
 target_include_directories(_C PRIVATE ${PROJECT_SOURCE_DIR}/csrc)
 target_link_libraries(_C PRIVATE ${TORCH_MP_TORCH_LIBRARIES} ${TORCH_PYTHON_LIBRARY})
 target_compile_definitions(_C PRIVATE TORCH_EXTENSION_NAME=_C)

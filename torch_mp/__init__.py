@@ -11,8 +11,11 @@ Launch with ``torchrun``, then::
 import torch
 import torch.distributed  # noqa: F401  (registers the c10d types the core uses)
 
-from torch_mp import _C  # noqa: F401
-from torch_mp import functional
+from torch_mp import (
+    _C,  # noqa: F401
+    functional,
+    pipeline,
+)
 from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
 from torch_mp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -25,5 +28,6 @@ __all__ = [
     "functional",
     "get_mesh",
     "init",
+    "pipeline",
     "set_mesh",
 ]

@@ -6,8 +6,9 @@
 // of torch's pybind11 type registrations and lets the ops become TORCH_LIBRARY operators (which
 // take only strings and tensors) for torch.compile later.
 
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/extension.h>
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/mesh.h"
@@ -16,6 +17,10 @@
 
 namespace py = pybind11;
 namespace tp = torch_mp::tensor_parallel;
+
+namespace torch_mp::python {
+void bind_pipeline(py::module_& parent);  // pipeline_bindings.cpp
+}  // namespace torch_mp::python
 
 namespace {
 
@@ -26,8 +31,11 @@ torch_mp::GroupPtr resolve(const std::string& group_name) {
 // Binds a collective `op(x, group)` or `op(x, group, dim)` under `name`.
 template <typename Fn>
 void def_collective(py::module_& m, const char* name, Fn op) {
-  m.def(name, [op](const at::Tensor& x, const std::string& group) { return op(x, resolve(group)); },
-        py::arg("x"), py::arg("group"));
+  m.def(
+      name,
+      [op](const at::Tensor& x, const std::string& group) { return op(x, resolve(group)); },
+      py::arg("x"),
+      py::arg("group"));
 }
 
 template <typename Fn>
@@ -37,13 +45,16 @@ void def_collective_along(py::module_& m, const char* name, Fn op) {
       [op](const at::Tensor& x, const std::string& group, int64_t dim) {
         return op(x, resolve(group), dim);
       },
-      py::arg("x"), py::arg("group"), py::arg("dim"));
+      py::arg("x"),
+      py::arg("group"),
+      py::arg("dim"));
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
+  torch_mp::python::bind_pipeline(m);
 
   // ---- mesh ----
   m.def(
@@ -52,7 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const auto shape = torch_mp::MeshShape::infer(world_size, tp, pp, dp);
         return py::make_tuple(shape.tp, shape.pp, shape.dp);
       },
-      py::arg("world_size"), py::arg("tp"), py::arg("pp"), py::arg("dp"));
+      py::arg("world_size"),
+      py::arg("tp"),
+      py::arg("pp"),
+      py::arg("dp"));
   m.def(
       "mesh_groups",
       [](int64_t tp, int64_t pp, int64_t dp) {
@@ -63,13 +77,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         groups["pp"] = shape.groups(torch_mp::Axis::kPipeline);
         return groups;
       },
-      py::arg("tp"), py::arg("pp"), py::arg("dp"));
+      py::arg("tp"),
+      py::arg("pp"),
+      py::arg("dp"));
   m.def(
       "check_same_across_ranks",
       [](const std::vector<int64_t>& values, const std::string& group, const std::string& what) {
         torch_mp::comm::check_same_across_ranks(values, resolve(group), what);
       },
-      py::arg("values"), py::arg("group"), py::arg("what"));
+      py::arg("values"),
+      py::arg("group"),
+      py::arg("what"));
 
   // ---- autograd collectives ----
   def_collective(m, "copy_to_tp", &torch_mp::copy_to_tp);
@@ -85,60 +103,107 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& full, int64_t dim, const std::string& group) {
         return tp::shard(full, dim, resolve(group));
       },
-      py::arg("full"), py::arg("dim"), py::arg("group"));
+      py::arg("full"),
+      py::arg("dim"),
+      py::arg("group"));
   m.def(
       "unshard",
       [](const at::Tensor& local, int64_t dim, const std::string& group) {
         return tp::unshard(local, dim, resolve(group));
       },
-      py::arg("local"), py::arg("dim"), py::arg("group"));
+      py::arg("local"),
+      py::arg("dim"),
+      py::arg("group"));
   m.def("divide", &tp::divide, py::arg("size"), py::arg("parts"), py::arg("what"));
 
   // ---- parallel linear ----
   m.def(
       "column_parallel_linear",
-      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-         int64_t out_features, bool gather_output, bool sequence_parallel,
+      [](const at::Tensor& input,
+         const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias,
+         int64_t out_features,
+         bool gather_output,
+         bool sequence_parallel,
          const std::string& group) {
         return tp::column_parallel_linear(
             input, weight, bias, out_features, gather_output, sequence_parallel, resolve(group));
       },
-      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("out_features"),
-      py::arg("gather_output"), py::arg("sequence_parallel"), py::arg("group"));
+      py::arg("input"),
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("out_features"),
+      py::arg("gather_output"),
+      py::arg("sequence_parallel"),
+      py::arg("group"));
   m.def(
       "row_parallel_linear",
-      [](const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-         int64_t in_features, bool input_is_parallel, bool sequence_parallel,
+      [](const at::Tensor& input,
+         const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias,
+         int64_t in_features,
+         bool input_is_parallel,
+         bool sequence_parallel,
          const std::string& group) {
         return tp::row_parallel_linear(
             input, weight, bias, in_features, input_is_parallel, sequence_parallel, resolve(group));
       },
-      py::arg("input"), py::arg("weight"), py::arg("bias"), py::arg("in_features"),
-      py::arg("input_is_parallel"), py::arg("sequence_parallel"), py::arg("group"));
+      py::arg("input"),
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("in_features"),
+      py::arg("input_is_parallel"),
+      py::arg("sequence_parallel"),
+      py::arg("group"));
   m.def(
       "check_column_parallel_linear",
-      [](int64_t in_features, int64_t out_features, bool bias, bool gather_output,
-         bool sequence_parallel, const std::string& group) {
+      [](int64_t in_features,
+         int64_t out_features,
+         bool bias,
+         bool gather_output,
+         bool sequence_parallel,
+         const std::string& group) {
         tp::check_column_parallel_linear(
             in_features, out_features, bias, gather_output, sequence_parallel, resolve(group));
       },
-      py::arg("in_features"), py::arg("out_features"), py::arg("bias"), py::arg("gather_output"),
-      py::arg("sequence_parallel"), py::arg("group"));
+      py::arg("in_features"),
+      py::arg("out_features"),
+      py::arg("bias"),
+      py::arg("gather_output"),
+      py::arg("sequence_parallel"),
+      py::arg("group"));
   m.def(
       "check_row_parallel_linear",
-      [](int64_t in_features, int64_t out_features, bool bias, bool input_is_parallel,
-         bool sequence_parallel, const std::string& group) {
+      [](int64_t in_features,
+         int64_t out_features,
+         bool bias,
+         bool input_is_parallel,
+         bool sequence_parallel,
+         const std::string& group) {
         tp::check_row_parallel_linear(
             in_features, out_features, bias, input_is_parallel, sequence_parallel, resolve(group));
       },
-      py::arg("in_features"), py::arg("out_features"), py::arg("bias"),
-      py::arg("input_is_parallel"), py::arg("sequence_parallel"), py::arg("group"));
+      py::arg("in_features"),
+      py::arg("out_features"),
+      py::arg("bias"),
+      py::arg("input_is_parallel"),
+      py::arg("sequence_parallel"),
+      py::arg("group"));
   m.def(
       "init_parallel_linear_",
-      [](at::Tensor weight, std::optional<at::Tensor> bias, int64_t in_features,
-         int64_t out_features, int64_t shard_dim, const std::string& group) {
-        tp::init_parallel_linear_(weight, bias, in_features, out_features, shard_dim, resolve(group));
+      [](at::Tensor weight,
+         std::optional<at::Tensor> bias,
+         int64_t in_features,
+         int64_t out_features,
+         int64_t shard_dim,
+         const std::string& group) {
+        tp::init_parallel_linear_(
+            weight, bias, in_features, out_features, shard_dim, resolve(group));
       },
-      py::arg("weight"), py::arg("bias"), py::arg("in_features"), py::arg("out_features"),
-      py::arg("shard_dim"), py::arg("group"));
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("in_features"),
+      py::arg("out_features"),
+      py::arg("shard_dim"),
+      py::arg("group"));
 }

@@ -1,10 +1,10 @@
 #include "torch_mp/collectives.h"
 
-#include <sstream>
-
 #include <ATen/ATen.h>
 #include <c10/core/WrapDimMinimal.h>
 #include <torch/csrc/autograd/custom_function.h>
+
+#include <sstream>
 
 namespace torch_mp {
 namespace {
@@ -14,18 +14,17 @@ using torch::autograd::variable_list;
 
 int64_t chunk_size(const at::Tensor& x, int64_t dim, const GroupPtr& group, const char* op) {
   const int64_t size = x.size(dim);
-  TORCH_CHECK(
-      size % group->getSize() == 0,
-      "torch_mp.",
-      op,
-      ": size ",
-      size,
-      " of dim ",
-      dim,
-      " is not divisible by the group size (",
-      group->getSize(),
-      ") on rank ",
-      group->getRank());
+  TORCH_CHECK(size % group->getSize() == 0,
+              "torch_mp.",
+              op,
+              ": size ",
+              size,
+              " of dim ",
+              dim,
+              " is not divisible by the group size (",
+              group->getSize(),
+              ") on rank ",
+              group->getRank());
   return size / group->getSize();
 }
 
@@ -37,9 +36,7 @@ GroupPtr saved_group(AutogradContext* ctx) {
   return ctx->saved_data.at("group").toCustomClass<c10d::ProcessGroup>();
 }
 
-int64_t saved_dim(AutogradContext* ctx) {
-  return ctx->saved_data.at("dim").toInt();
-}
+int64_t saved_dim(AutogradContext* ctx) { return ctx->saved_data.at("dim").toInt(); }
 
 // Each op below is one autograd Function whose forward and backward are a pair of plain
 // collectives from the table in collectives.h.
@@ -64,20 +61,25 @@ struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
 };
 
 struct ScatterToTp : torch::autograd::Function<ScatterToTp> {
-  static at::Tensor forward(
-      AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  static at::Tensor forward(AutogradContext* ctx,
+                            const at::Tensor& x,
+                            const GroupPtr& group,
+                            int64_t dim) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["dim"] = dim;
     return comm::split(x, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {comm::all_gather(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
+    return {
+        comm::all_gather(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
   }
 };
 
 struct GatherFromTp : torch::autograd::Function<GatherFromTp> {
-  static at::Tensor forward(
-      AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  static at::Tensor forward(AutogradContext* ctx,
+                            const at::Tensor& x,
+                            const GroupPtr& group,
+                            int64_t dim) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["dim"] = dim;
     return comm::all_gather(x, dim, group);
@@ -88,27 +90,33 @@ struct GatherFromTp : torch::autograd::Function<GatherFromTp> {
 };
 
 struct GatherFromSp : torch::autograd::Function<GatherFromSp> {
-  static at::Tensor forward(
-      AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  static at::Tensor forward(AutogradContext* ctx,
+                            const at::Tensor& x,
+                            const GroupPtr& group,
+                            int64_t dim) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["dim"] = dim;
     return comm::all_gather(x, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {
-        comm::reduce_scatter(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
+    return {comm::reduce_scatter(grads[0], saved_dim(ctx), saved_group(ctx)),
+            at::Tensor(),
+            at::Tensor()};
   }
 };
 
 struct ReduceScatterToSp : torch::autograd::Function<ReduceScatterToSp> {
-  static at::Tensor forward(
-      AutogradContext* ctx, const at::Tensor& x, const GroupPtr& group, int64_t dim) {
+  static at::Tensor forward(AutogradContext* ctx,
+                            const at::Tensor& x,
+                            const GroupPtr& group,
+                            int64_t dim) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["dim"] = dim;
     return comm::reduce_scatter(x, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {comm::all_gather(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
+    return {
+        comm::all_gather(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -199,8 +207,9 @@ at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   return x.narrow(dim, group->getRank() * chunk, chunk).clone(at::MemoryFormat::Contiguous);
 }
 
-void check_same_across_ranks(
-    const std::vector<int64_t>& values, const GroupPtr& group, const std::string& what) {
+void check_same_across_ranks(const std::vector<int64_t>& values,
+                             const GroupPtr& group,
+                             const std::string& what) {
   check_group(group);
   if (group->getSize() == 1) {
     return;

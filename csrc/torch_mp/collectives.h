@@ -54,8 +54,9 @@ at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group);
 
 /// Raises on every rank, naming the ranks that disagree, unless `values` is the same on all
 /// ranks of the group. `what` names the values in the message.
-void check_same_across_ranks(
-    const std::vector<int64_t>& values, const GroupPtr& group, const std::string& what);
+void check_same_across_ranks(const std::vector<int64_t>& values,
+                             const GroupPtr& group,
+                             const std::string& what);
 
 }  // namespace comm
 }  // namespace torch_mp

@@ -1,58 +1,57 @@
 #include "torch_mp/mesh.h"
 
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
-
-#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/cuda.h>
 
 #include "torch_mp/collectives.h"
 
 namespace torch_mp {
 
-MeshShape MeshShape::infer(
-    int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp) {
+MeshShape MeshShape::infer(int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp) {
   TORCH_CHECK(world_size > 0, "torch_mp.init: world size must be positive, got ", world_size);
-  TORCH_CHECK(tp > 0 && pp > 0, "torch_mp.init: tp and pp must be positive, got tp=", tp,
-              ", pp=", pp);
+  TORCH_CHECK(
+      tp > 0 && pp > 0, "torch_mp.init: tp and pp must be positive, got tp=", tp, ", pp=", pp);
   TORCH_CHECK(!dp || *dp > 0, "torch_mp.init: dp must be positive, got dp=", *dp);
   if (!dp) {
-    TORCH_CHECK(
-        world_size % (tp * pp) == 0,
-        "torch_mp.init: world size ",
-        world_size,
-        " is not divisible by tp * pp = ",
-        tp,
-        " * ",
-        pp);
+    TORCH_CHECK(world_size % (tp * pp) == 0,
+                "torch_mp.init: world size ",
+                world_size,
+                " is not divisible by tp * pp = ",
+                tp,
+                " * ",
+                pp);
     dp = world_size / (tp * pp);
   }
-  TORCH_CHECK(
-      tp * pp * *dp == world_size,
-      "torch_mp.init: world size ",
-      world_size,
-      " is not tp * pp * dp = ",
-      tp,
-      " * ",
-      pp,
-      " * ",
-      *dp);
+  TORCH_CHECK(tp * pp * *dp == world_size,
+              "torch_mp.init: world size ",
+              world_size,
+              " is not tp * pp * dp = ",
+              tp,
+              " * ",
+              pp,
+              " * ",
+              *dp);
   return MeshShape{tp, pp, *dp};
 }
 
 MeshCoord MeshShape::coord(int64_t rank) const {
-  TORCH_CHECK(rank >= 0 && rank < world_size(), "torch_mp: rank ", rank,
-              " is outside a mesh of ", world_size(), " ranks");
+  TORCH_CHECK(rank >= 0 && rank < world_size(),
+              "torch_mp: rank ",
+              rank,
+              " is outside a mesh of ",
+              world_size(),
+              " ranks");
   return MeshCoord{rank / (tp * dp), (rank / tp) % dp, rank % tp};
 }
 
-int64_t MeshShape::rank(const MeshCoord& c) const {
-  return (c.pp * dp + c.dp) * tp + c.tp;
-}
+int64_t MeshShape::rank(const MeshCoord& c) const { return (c.pp * dp + c.dp) * tp + c.tp; }
 
 int64_t MeshShape::size(Axis axis) const {
   switch (axis) {
@@ -93,13 +92,12 @@ const char* axis_name(Axis axis) {
 }
 
 // Creates this rank's group along `axis`; each group rendezvouses under its own store prefix.
-GroupPtr make_axis_group(
-    const StorePtr& store,
-    const MeshShape& shape,
-    Axis axis,
-    int64_t rank,
-    Backend backend,
-    std::chrono::milliseconds timeout) {
+GroupPtr make_axis_group(const StorePtr& store,
+                         const MeshShape& shape,
+                         Axis axis,
+                         int64_t rank,
+                         Backend backend,
+                         std::chrono::milliseconds timeout) {
   const auto groups = shape.groups(axis);
   for (size_t index = 0; index < groups.size(); ++index) {
     const auto& ranks = groups[index];
@@ -107,26 +105,25 @@ GroupPtr make_axis_group(
     if (it == ranks.end()) {
       continue;
     }
-    const std::string name = std::string("torch_mp/") + axis_name(axis) + "/" + std::to_string(index);
-    return new_process_group(
-        c10::make_intrusive<c10d::PrefixStore>(name, store),
-        static_cast<int>(it - ranks.begin()),
-        static_cast<int>(ranks.size()),
-        backend,
-        timeout,
-        name);
+    const std::string name =
+        std::string("torch_mp/") + axis_name(axis) + "/" + std::to_string(index);
+    return new_process_group(c10::make_intrusive<c10d::PrefixStore>(name, store),
+                             static_cast<int>(it - ranks.begin()),
+                             static_cast<int>(ranks.size()),
+                             backend,
+                             timeout,
+                             name);
   }
   TORCH_INTERNAL_ASSERT(false, "rank ", rank, " is in no ", axis_name(axis), " group");
 }
 
 std::string env_or_throw(const char* name) {
   const char* value = std::getenv(name);
-  TORCH_CHECK(
-      value && *value,
-      "torch_mp::init: environment variable ",
-      name,
-      " is not set; launch the program with torchrun (e.g. torchrun --no-python "
-      "--nproc-per-node=2 ./program)");
+  TORCH_CHECK(value && *value,
+              "torch_mp::init: environment variable ",
+              name,
+              " is not set; launch the program with torchrun (e.g. torchrun --no-python "
+              "--nproc-per-node=2 ./program)");
   return value;
 }
 
@@ -135,18 +132,19 @@ std::shared_ptr<Mesh> default_mesh;
 
 }  // namespace
 
-std::shared_ptr<Mesh> make_mesh(
-    const StorePtr& store, int64_t rank, int64_t world_size, const InitOptions& options) {
+std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
+                                int64_t rank,
+                                int64_t world_size,
+                                const InitOptions& options) {
   auto mesh = std::make_shared<Mesh>();
   mesh->rank = rank;
   const Backend backend = options.backend().value_or(default_backend(torch::cuda::is_available()));
-  mesh->world = new_process_group(
-      c10::make_intrusive<c10d::PrefixStore>("torch_mp/world", store),
-      static_cast<int>(rank),
-      static_cast<int>(world_size),
-      backend,
-      options.timeout(),
-      "torch_mp/world");
+  mesh->world = new_process_group(c10::make_intrusive<c10d::PrefixStore>("torch_mp/world", store),
+                                  static_cast<int>(rank),
+                                  static_cast<int>(world_size),
+                                  backend,
+                                  options.timeout(),
+                                  "torch_mp/world");
   // Agree on the request before acting on it: ranks that asked for different meshes all raise,
   // instead of some failing alone and the rest waiting for groups that never form.
   comm::check_same_across_ranks(
@@ -154,9 +152,12 @@ std::shared_ptr<Mesh> make_mesh(
       mesh->world,
       "torch_mp::init options [tp, pp, dp, backend]");
   mesh->shape = MeshShape::infer(world_size, options.tp(), options.pp(), options.dp());
-  mesh->tp_group = make_axis_group(store, mesh->shape, Axis::kTensor, rank, backend, options.timeout());
-  mesh->dp_group = make_axis_group(store, mesh->shape, Axis::kData, rank, backend, options.timeout());
-  mesh->pp_group = make_axis_group(store, mesh->shape, Axis::kPipeline, rank, backend, options.timeout());
+  mesh->tp_group =
+      make_axis_group(store, mesh->shape, Axis::kTensor, rank, backend, options.timeout());
+  mesh->dp_group =
+      make_axis_group(store, mesh->shape, Axis::kData, rank, backend, options.timeout());
+  mesh->pp_group =
+      make_axis_group(store, mesh->shape, Axis::kPipeline, rank, backend, options.timeout());
   return mesh;
 }
 

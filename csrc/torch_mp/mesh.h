@@ -12,12 +12,12 @@
 //     pp_rank 1: dp 0 -> 4 5
 //                dp 1 -> 6 7
 
+#include <torch/arg.h>
+
 #include <chrono>
 #include <memory>
 #include <optional>
 #include <vector>
-
-#include <torch/arg.h>
 
 #include "torch_mp/process_groups.h"
 
@@ -41,12 +41,12 @@ struct MeshShape {
 
   /// The shape for `world_size` ranks; `dp` defaults to world_size / (tp * pp).
   /// Raises if a size is not positive or tp * pp * dp != world_size.
-  static MeshShape infer(
-      int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp = std::nullopt);
+  static MeshShape infer(int64_t world_size,
+                         int64_t tp,
+                         int64_t pp,
+                         std::optional<int64_t> dp = std::nullopt);
 
-  int64_t world_size() const {
-    return tp * pp * dp;
-  }
+  int64_t world_size() const { return tp * pp * dp; }
   /// Coordinates of world rank `rank`.
   MeshCoord coord(int64_t rank) const;
   /// World rank at `coord`.
@@ -81,30 +81,20 @@ struct Mesh {
   GroupPtr dp_group;
   GroupPtr pp_group;
 
-  int64_t tp_rank() const {
-    return shape.coord(rank).tp;
-  }
-  int64_t dp_rank() const {
-    return shape.coord(rank).dp;
-  }
-  int64_t pp_rank() const {
-    return shape.coord(rank).pp;
-  }
-  int64_t tp_size() const {
-    return shape.tp;
-  }
-  int64_t dp_size() const {
-    return shape.dp;
-  }
-  int64_t pp_size() const {
-    return shape.pp;
-  }
+  int64_t tp_rank() const { return shape.coord(rank).tp; }
+  int64_t dp_rank() const { return shape.coord(rank).dp; }
+  int64_t pp_rank() const { return shape.coord(rank).pp; }
+  int64_t tp_size() const { return shape.tp; }
+  int64_t dp_size() const { return shape.dp; }
+  int64_t pp_size() const { return shape.pp; }
 };
 
 /// Builds the mesh of rank `rank` among `world_size` ranks that share `store`. Every rank must
 /// call it with the same options; a difference is detected and raised on every rank.
-std::shared_ptr<Mesh> make_mesh(
-    const StorePtr& store, int64_t rank, int64_t world_size, const InitOptions& options = {});
+std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
+                                int64_t rank,
+                                int64_t world_size,
+                                const InitOptions& options = {});
 
 /// Initialises torch_mp in a process launched by torchrun: reads MASTER_ADDR, MASTER_PORT, RANK
 /// and WORLD_SIZE, connects a TCPStore, builds the mesh and makes it the default one.

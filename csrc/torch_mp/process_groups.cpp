@@ -21,15 +21,15 @@ Backend parse_backend(const std::string& name) {
   TORCH_CHECK(false, "torch_mp: unknown backend '", name, "' (expected 'gloo' or 'nccl')");
 }
 
-Backend default_backend(bool cuda) {
-  return cuda ? Backend::kNccl : Backend::kGloo;
-}
+Backend default_backend(bool cuda) { return cuda ? Backend::kNccl : Backend::kGloo; }
 
 namespace {
 
 #ifdef TORCH_MP_WITH_GLOO
-c10::intrusive_ptr<c10d::Backend> make_gloo(
-    const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
+c10::intrusive_ptr<c10d::Backend> make_gloo(const StorePtr& store,
+                                            int rank,
+                                            int size,
+                                            std::chrono::milliseconds timeout) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
@@ -38,19 +38,17 @@ c10::intrusive_ptr<c10d::Backend> make_gloo(
 
 }  // namespace
 
-GroupPtr new_process_group(
-    const StorePtr& store,
-    int rank,
-    int size,
-    Backend backend,
-    std::chrono::milliseconds timeout,
-    const std::string& name) {
-  TORCH_CHECK(
-      size > 0 && rank >= 0 && rank < size,
-      "torch_mp: rank ",
-      rank,
-      " is outside a process group of size ",
-      size);
+GroupPtr new_process_group(const StorePtr& store,
+                           int rank,
+                           int size,
+                           Backend backend,
+                           std::chrono::milliseconds timeout,
+                           const std::string& name) {
+  TORCH_CHECK(size > 0 && rank >= 0 && rank < size,
+              "torch_mp: rank ",
+              rank,
+              " is outside a process group of size ",
+              size);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   switch (backend) {
     case Backend::kGloo: {
@@ -67,10 +65,9 @@ GroupPtr new_process_group(
 #endif
     }
     case Backend::kNccl:
-      TORCH_CHECK(
-          false,
-          "torch_mp: NCCL groups cannot be created from C++ in this build yet; "
-          "use the Python front end (torch.distributed) for CUDA tensors");
+      TORCH_CHECK(false,
+                  "torch_mp: NCCL groups cannot be created from C++ in this build yet; "
+                  "use the Python front end (torch.distributed) for CUDA tensors");
   }
   group->setGroupName(name);
   return group;

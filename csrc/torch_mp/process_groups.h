@@ -4,7 +4,6 @@
 
 #include <chrono>
 #include <string>
-
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -36,12 +35,11 @@ Backend default_backend(bool cuda);
 ///
 /// Raises if the backend was not compiled in (Gloo needs its headers at build time, NCCL a CUDA
 /// build of torch).
-GroupPtr new_process_group(
-    const StorePtr& store,
-    int rank,
-    int size,
-    Backend backend,
-    std::chrono::milliseconds timeout,
-    const std::string& name);
+GroupPtr new_process_group(const StorePtr& store,
+                           int rank,
+                           int size,
+                           Backend backend,
+                           std::chrono::milliseconds timeout,
+                           const std::string& name);
 
 }  // namespace torch_mp

@@ -47,7 +47,7 @@ def main() -> int:
     worst = 0.0
     for step in range(1, args.steps + 1):
         losses = []
-        for model, optimizer in zip((dense, parallel), optimizers):
+        for model, optimizer in zip((dense, parallel), optimizers, strict=True):
             optimizer.zero_grad()
             loss = nn.functional.mse_loss(model(x), target)
             loss.backward()
@@ -56,8 +56,10 @@ def main() -> int:
         diff = abs(losses[0] - losses[1])
         worst = max(worst, diff)
         if rank == 0:
-            print(f"step {step}: loss {losses[1]:.6f}  (one-process reference {losses[0]:.6f}, "
-                  f"|diff| {diff:.2e})")
+            print(
+                f"step {step}: loss {losses[1]:.6f}  (one-process reference {losses[0]:.6f}, "
+                f"|diff| {diff:.2e})"
+            )
 
     # The trained shards, gathered, must still be the reference's weights.
     for layer, reference in ((parallel[0], dense[0]), (parallel[2], dense[2])):
@@ -67,8 +69,10 @@ def main() -> int:
             worst = max(worst, (got - want).abs().max().item())
     ok = worst <= TOLERANCE
     if rank == 0:
-        print(f"agreement with the one-process reference: max |diff| {worst:.2e} "
-              f"(tolerance {TOLERANCE:.0e}): {'OK' if ok else 'MISMATCH'}")
+        print(
+            f"agreement with the one-process reference: max |diff| {worst:.2e} "
+            f"(tolerance {TOLERANCE:.0e}): {'OK' if ok else 'MISMATCH'}"
+        )
     dist.destroy_process_group()
     return 0 if ok else 1
 

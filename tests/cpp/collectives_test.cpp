@@ -147,7 +147,9 @@ TEST_P(CollectivesOnSeveralRanks, ScatterToTpRaisesOnEveryRankWhenTheSizeIsNotDi
   const auto errors = testing::run_on_mesh_collecting_errors(
       t,
       [&](int) { return testing::test_options(t); },
-      [&](const Mesh& mesh) { scatter_to_tp(at::zeros({3, 2 * t + 1}), mesh.tp_group, -1); });
+      [&](const Mesh& mesh) {
+        scatter_to_tp(at::zeros({3, 2 * t + 1}), mesh.tp_group, -1);
+      });
   testing::expect_every_rank_raised(
       errors, "is not divisible by the group size (" + std::to_string(t) + ")");
 }
@@ -157,7 +159,9 @@ TEST_P(CollectivesOnSeveralRanks, ReduceScatterToSpRaisesOnEveryRankWhenTheSizeI
   const auto errors = testing::run_on_mesh_collecting_errors(
       t,
       [&](int) { return testing::test_options(t); },
-      [&](const Mesh& mesh) { reduce_scatter_to_sp(at::zeros({2 * t + 1, 3}), mesh.tp_group, 0); });
+      [&](const Mesh& mesh) {
+        reduce_scatter_to_sp(at::zeros({2 * t + 1, 3}), mesh.tp_group, 0);
+      });
   testing::expect_every_rank_raised(
       errors, "is not divisible by the group size (" + std::to_string(t) + ")");
 }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from multiprocess import World
 
 _worlds: dict[int, World] = {}

@@ -14,7 +14,8 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 GROUP_TIMEOUT_S = 20  # every collective in the workers; a hang becomes an error this fast
 RUN_TIMEOUT_S = 120  # one test body on all ranks
@@ -79,9 +80,11 @@ class World:
         for _ in range(self.size):
             try:
                 rank, ok, value = self._results.get(timeout=RUN_TIMEOUT_S)
-            except queue.Empty:
+            except queue.Empty as timeout:
                 self.close(kill=True)
-                raise TimeoutError(f"{fn.__name__} did not finish on all ranks in {RUN_TIMEOUT_S}s")
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on all ranks in {RUN_TIMEOUT_S}s"
+                ) from timeout
             (results if ok else errors)[rank] = value
         if errors:
             first = min(errors)
@@ -89,7 +92,7 @@ class World:
         return [results[r] for r in range(self.size)]
 
     def close(self, kill: bool = False) -> None:
-        for p, q in zip(self._procs, self._tasks):
+        for p, q in zip(self._procs, self._tasks, strict=True):
             if kill:
                 p.kill()
             elif p.is_alive():

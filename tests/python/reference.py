@@ -13,7 +13,7 @@ ATOL = 1e-6
 
 
 def rank_tensor(seed: int, rank: int, *shape: int) -> torch.Tensor:
-    """A tensor that every process can compute for any rank (so references need no communication)."""
+    """A tensor any process can compute for any rank (references need no communication)."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     return torch.randn(*shape, generator=g)
 

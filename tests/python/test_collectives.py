@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from reference import assert_close, error_of, rank_tensor, use_mesh
 
 import torch_mp
 from torch_mp import functional as F
-from reference import assert_close, error_of, rank_tensor, use_mesh
 
 SHAPE = (4, 8, 12)  # divisible by 1, 2 and 4 along every dim
 
@@ -40,8 +40,14 @@ def _run(op: str, dim: int) -> None:
     assert_close(x.grad, expected_grad, f"{op} backward")
 
 
-OPS = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "gather_from_sp",
-       "reduce_scatter_to_sp"]
+OPS = [
+    "copy_to_tp",
+    "reduce_from_tp",
+    "scatter_to_tp",
+    "gather_from_tp",
+    "gather_from_sp",
+    "reduce_scatter_to_sp",
+]
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from reference import assert_close, error_of, rank_tensor, use_mesh
 from torch import nn
 
 import torch_mp
-from reference import assert_close, error_of, rank_tensor, use_mesh
 
 IN, HIDDEN, OUT, BATCH = 8, 16, 12, 5
 

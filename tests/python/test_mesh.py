@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from reference import error_of, use_mesh
 
 import torch_mp
-from reference import error_of, use_mesh
 
 
 def _members(group: dist.ProcessGroup) -> list[int]:

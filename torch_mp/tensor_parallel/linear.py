@@ -63,7 +63,11 @@ class _ParallelLinear(nn.Module):
         ``nn.Linear`` the same seed gives.
         """
         _C.init_parallel_linear_(
-            self.weight, self.bias, self.in_features, self.out_features, self._SHARD_DIM,
+            self.weight,
+            self.bias,
+            self.in_features,
+            self.out_features,
+            self._SHARD_DIM,
             self._group_name,
         )
 
@@ -81,8 +85,12 @@ class _ParallelLinear(nn.Module):
             A layer holding this rank's shard of ``linear``'s parameters.
         """
         layer = cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
-            device="meta", **kwargs,
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            group=group,
+            device="meta",
+            **kwargs,
         )
         layer.to_empty(device=linear.weight.device)
         layer.to(dtype=linear.weight.dtype)
@@ -98,8 +106,11 @@ class _ParallelLinear(nn.Module):
     def to_dense(self) -> nn.Linear:
         """Gathers the shards into a dense ``nn.Linear`` on every rank (a collective)."""
         dense = nn.Linear(
-            self.in_features, self.out_features, bias=self.bias is not None,
-            device=self.weight.device, dtype=self.weight.dtype,
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
         )
         with torch.no_grad():
             dense.weight.copy_(_C.unshard(self.weight, self._SHARD_DIM, self._group_name))
@@ -152,14 +163,23 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def _check(self, bias: bool) -> None:
         _C.check_column_parallel_linear(
-            self.in_features, self.out_features, bias, self.gather_output,
-            self.sequence_parallel, self._group_name,
+            self.in_features,
+            self.out_features,
+            bias,
+            self.gather_output,
+            self.sequence_parallel,
+            self._group_name,
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _C.column_parallel_linear(
-            input, self.weight, self.bias, self.out_features, self.gather_output,
-            self.sequence_parallel, self._group_name,
+            input,
+            self.weight,
+            self.bias,
+            self.out_features,
+            self.gather_output,
+            self.sequence_parallel,
+            self._group_name,
         )
 
     def extra_repr(self) -> str:
@@ -213,14 +233,23 @@ class RowParallelLinear(_ParallelLinear):
 
     def _check(self, bias: bool) -> None:
         _C.check_row_parallel_linear(
-            self.in_features, self.out_features, bias, self.input_is_parallel,
-            self.sequence_parallel, self._group_name,
+            self.in_features,
+            self.out_features,
+            bias,
+            self.input_is_parallel,
+            self.sequence_parallel,
+            self._group_name,
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _C.row_parallel_linear(
-            input, self.weight, self.bias, self.in_features, self.input_is_parallel,
-            self.sequence_parallel, self._group_name,
+            input,
+            self.weight,
+            self.bias,
+            self.in_features,
+            self.input_is_parallel,
+            self.sequence_parallel,
+            self._group_name,
         )
 
     def extra_repr(self) -> str:

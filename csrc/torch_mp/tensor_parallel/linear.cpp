@@ -1,9 +1,9 @@
 #include "torch_mp/tensor_parallel/linear.h"
 
-#include <cmath>
-
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
+
+#include <cmath>
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/mesh.h"
@@ -12,43 +12,39 @@
 namespace torch_mp::tensor_parallel {
 namespace {
 
-GroupPtr group_or_default(const GroupPtr& group) {
-  return group ? group : get_mesh()->tp_group;
-}
+GroupPtr group_or_default(const GroupPtr& group) { return group ? group : get_mesh()->tp_group; }
 
 // The shard size this rank's weight must have along the split dim; names the layer on mismatch.
 void check_shard(
     const char* layer, const char* what, int64_t shard, int64_t full, const GroupPtr& group) {
-  TORCH_CHECK(
-      shard * group->getSize() == full,
-      layer,
-      ": the weight shard has ",
-      shard,
-      " ",
-      what,
-      " but ",
-      what,
-      " (",
-      full,
-      ") split over a tensor-parallel group of size ",
-      group->getSize(),
-      " needs ",
-      full / group->getSize(),
-      " per rank (rank ",
-      group->getRank(),
-      "); the layer was built for a different group size");
+  TORCH_CHECK(shard * group->getSize() == full,
+              layer,
+              ": the weight shard has ",
+              shard,
+              " ",
+              what,
+              " but ",
+              what,
+              " (",
+              full,
+              ") split over a tensor-parallel group of size ",
+              group->getSize(),
+              " needs ",
+              full / group->getSize(),
+              " per rank (rank ",
+              group->getRank(),
+              "); the layer was built for a different group size");
 }
 
 }  // namespace
 
-at::Tensor column_parallel_linear(
-    const at::Tensor& input,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias,
-    int64_t out_features,
-    bool gather_output,
-    bool sequence_parallel,
-    const GroupPtr& group) {
+at::Tensor column_parallel_linear(const at::Tensor& input,
+                                  const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  int64_t out_features,
+                                  bool gather_output,
+                                  bool sequence_parallel,
+                                  const GroupPtr& group) {
   check_shard("ColumnParallelLinear", "out_features", weight.size(0), out_features, group);
   const at::Tensor x =
       sequence_parallel ? gather_from_sp(input, group, 0) : copy_to_tp(input, group);
@@ -56,14 +52,13 @@ at::Tensor column_parallel_linear(
   return gather_output ? gather_from_tp(y, group, -1) : y;
 }
 
-at::Tensor row_parallel_linear(
-    const at::Tensor& input,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias,
-    int64_t in_features,
-    bool input_is_parallel,
-    bool sequence_parallel,
-    const GroupPtr& group) {
+at::Tensor row_parallel_linear(const at::Tensor& input,
+                               const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias,
+                               int64_t in_features,
+                               bool input_is_parallel,
+                               bool sequence_parallel,
+                               const GroupPtr& group) {
   check_shard("RowParallelLinear", "in_features", weight.size(1), in_features, group);
   const at::Tensor x = input_is_parallel ? input : scatter_to_tp(input, group, -1);
   const at::Tensor partial = at::linear(x, weight);
@@ -72,18 +67,16 @@ at::Tensor row_parallel_linear(
   return bias && bias->defined() ? y + *bias : y;
 }
 
-void check_column_parallel_linear(
-    int64_t in_features,
-    int64_t out_features,
-    bool bias,
-    bool gather_output,
-    bool sequence_parallel,
-    const GroupPtr& group) {
+void check_column_parallel_linear(int64_t in_features,
+                                  int64_t out_features,
+                                  bool bias,
+                                  bool gather_output,
+                                  bool sequence_parallel,
+                                  const GroupPtr& group) {
   divide(out_features, group->getSize(), "ColumnParallelLinear: out_features");
-  TORCH_CHECK(
-      !(gather_output && sequence_parallel),
-      "ColumnParallelLinear: gather_output and sequence_parallel cannot both be set "
-      "(a sequence-parallel layer hands its split output to a RowParallelLinear)");
+  TORCH_CHECK(!(gather_output && sequence_parallel),
+              "ColumnParallelLinear: gather_output and sequence_parallel cannot both be set "
+              "(a sequence-parallel layer hands its split output to a RowParallelLinear)");
   comm::check_same_across_ranks(
       {in_features, out_features, bias, gather_output, sequence_parallel},
       group,
@@ -91,17 +84,15 @@ void check_column_parallel_linear(
       "sequence_parallel]");
 }
 
-void check_row_parallel_linear(
-    int64_t in_features,
-    int64_t out_features,
-    bool bias,
-    bool input_is_parallel,
-    bool sequence_parallel,
-    const GroupPtr& group) {
+void check_row_parallel_linear(int64_t in_features,
+                               int64_t out_features,
+                               bool bias,
+                               bool input_is_parallel,
+                               bool sequence_parallel,
+                               const GroupPtr& group) {
   divide(in_features, group->getSize(), "RowParallelLinear: in_features");
-  TORCH_CHECK(
-      input_is_parallel || !sequence_parallel,
-      "RowParallelLinear: sequence_parallel needs input_is_parallel=True");
+  TORCH_CHECK(input_is_parallel || !sequence_parallel,
+              "RowParallelLinear: sequence_parallel needs input_is_parallel=True");
   comm::check_same_across_ranks(
       {in_features, out_features, bias, input_is_parallel, sequence_parallel},
       group,
@@ -109,13 +100,12 @@ void check_row_parallel_linear(
       "sequence_parallel]");
 }
 
-void init_parallel_linear_(
-    at::Tensor& weight,
-    std::optional<at::Tensor> bias,
-    int64_t in_features,
-    int64_t out_features,
-    int64_t shard_dim,
-    const GroupPtr& group) {
+void init_parallel_linear_(at::Tensor& weight,
+                           std::optional<at::Tensor> bias,
+                           int64_t in_features,
+                           int64_t out_features,
+                           int64_t shard_dim,
+                           const GroupPtr& group) {
   at::NoGradGuard no_grad;
   // Draw the dense tensors in nn.Linear's order from the default generator, then keep our shard.
   auto full_weight = at::empty({out_features, in_features}, weight.options());
@@ -130,7 +120,8 @@ void init_parallel_linear_(
 
 // ---- ColumnParallelLinear --------------------------------------------------------------------
 
-ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options_, bool initialise)
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options_,
+                                                   bool initialise)
     : options(std::move(options_)), initialise_(initialise) {
   reset();
 }
@@ -138,16 +129,16 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
 void ColumnParallelLinearImpl::reset() {
   options.group(group_or_default(options.group()));
   const auto& group = options.group();
-  check_column_parallel_linear(
-      options.in_features(),
-      options.out_features(),
-      options.bias(),
-      options.gather_output(),
-      options.sequence_parallel(),
-      group);
+  check_column_parallel_linear(options.in_features(),
+                               options.out_features(),
+                               options.bias(),
+                               options.gather_output(),
+                               options.sequence_parallel(),
+                               group);
   const int64_t local_out = options.out_features() / group->getSize();
   weight = register_parameter("weight", at::empty({local_out, options.in_features()}));
-  bias = register_parameter("bias", options.bias() ? at::empty({local_out}) : at::Tensor(),
+  bias = register_parameter("bias",
+                            options.bias() ? at::empty({local_out}) : at::Tensor(),
                             /*requires_grad=*/options.bias());
   if (initialise_) {
     reset_parameters();
@@ -155,24 +146,22 @@ void ColumnParallelLinearImpl::reset() {
 }
 
 void ColumnParallelLinearImpl::reset_parameters() {
-  init_parallel_linear_(
-      weight,
-      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-      options.in_features(),
-      options.out_features(),
-      0,
-      options.group());
+  init_parallel_linear_(weight,
+                        bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                        options.in_features(),
+                        options.out_features(),
+                        0,
+                        options.group());
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
-  return column_parallel_linear(
-      input,
-      weight,
-      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-      options.out_features(),
-      options.gather_output(),
-      options.sequence_parallel(),
-      options.group());
+  return column_parallel_linear(input,
+                                weight,
+                                bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                                options.out_features(),
+                                options.gather_output(),
+                                options.sequence_parallel(),
+                                options.group());
 }
 
 void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
@@ -183,8 +172,8 @@ void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", tp_size=" << options.group()->getSize() << ")";
 }
 
-ColumnParallelLinear ColumnParallelLinearImpl::from_dense(
-    const torch::nn::Linear& dense, ColumnParallelLinearOptions options) {
+ColumnParallelLinear ColumnParallelLinearImpl::from_dense(const torch::nn::Linear& dense,
+                                                          ColumnParallelLinearOptions options) {
   const auto& dense_options = dense->options;
   TORCH_CHECK(
       dense_options.in_features() == options.in_features() &&
@@ -203,8 +192,8 @@ ColumnParallelLinear ColumnParallelLinearImpl::from_dense(
 }
 
 torch::nn::Linear ColumnParallelLinearImpl::to_dense() const {
-  torch::nn::Linear dense(torch::nn::LinearOptions(options.in_features(), options.out_features())
-                              .bias(options.bias()));
+  torch::nn::Linear dense(
+      torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
   at::NoGradGuard no_grad;
   dense->weight.copy_(unshard(weight, 0, options.group()));
   if (options.bias()) {
@@ -223,16 +212,16 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options_, 
 void RowParallelLinearImpl::reset() {
   options.group(group_or_default(options.group()));
   const auto& group = options.group();
-  check_row_parallel_linear(
-      options.in_features(),
-      options.out_features(),
-      options.bias(),
-      options.input_is_parallel(),
-      options.sequence_parallel(),
-      group);
+  check_row_parallel_linear(options.in_features(),
+                            options.out_features(),
+                            options.bias(),
+                            options.input_is_parallel(),
+                            options.sequence_parallel(),
+                            group);
   const int64_t local_in = options.in_features() / group->getSize();
   weight = register_parameter("weight", at::empty({options.out_features(), local_in}));
-  bias = register_parameter("bias", options.bias() ? at::empty({options.out_features()}) : at::Tensor(),
+  bias = register_parameter("bias",
+                            options.bias() ? at::empty({options.out_features()}) : at::Tensor(),
                             /*requires_grad=*/options.bias());
   if (initialise_) {
     reset_parameters();
@@ -240,24 +229,22 @@ void RowParallelLinearImpl::reset() {
 }
 
 void RowParallelLinearImpl::reset_parameters() {
-  init_parallel_linear_(
-      weight,
-      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-      options.in_features(),
-      options.out_features(),
-      1,
-      options.group());
+  init_parallel_linear_(weight,
+                        bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                        options.in_features(),
+                        options.out_features(),
+                        1,
+                        options.group());
 }
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
-  return row_parallel_linear(
-      input,
-      weight,
-      bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-      options.in_features(),
-      options.input_is_parallel(),
-      options.sequence_parallel(),
-      options.group());
+  return row_parallel_linear(input,
+                             weight,
+                             bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                             options.in_features(),
+                             options.input_is_parallel(),
+                             options.sequence_parallel(),
+                             options.group());
 }
 
 void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
@@ -268,15 +255,14 @@ void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", tp_size=" << options.group()->getSize() << ")";
 }
 
-RowParallelLinear RowParallelLinearImpl::from_dense(
-    const torch::nn::Linear& dense, RowParallelLinearOptions options) {
+RowParallelLinear RowParallelLinearImpl::from_dense(const torch::nn::Linear& dense,
+                                                    RowParallelLinearOptions options) {
   const auto& dense_options = dense->options;
-  TORCH_CHECK(
-      dense_options.in_features() == options.in_features() &&
-          dense_options.out_features() == options.out_features() &&
-          dense_options.bias() == options.bias(),
-      "RowParallelLinear.from_dense: the options must match the dense layer's in_features, "
-      "out_features and bias");
+  TORCH_CHECK(dense_options.in_features() == options.in_features() &&
+                  dense_options.out_features() == options.out_features() &&
+                  dense_options.bias() == options.bias(),
+              "RowParallelLinear.from_dense: the options must match the dense layer's in_features, "
+              "out_features and bias");
   RowParallelLinear layer(std::shared_ptr<RowParallelLinearImpl>(
       new RowParallelLinearImpl(std::move(options), /*initialise=*/false)));
   at::NoGradGuard no_grad;
@@ -288,8 +274,8 @@ RowParallelLinear RowParallelLinearImpl::from_dense(
 }
 
 torch::nn::Linear RowParallelLinearImpl::to_dense() const {
-  torch::nn::Linear dense(torch::nn::LinearOptions(options.in_features(), options.out_features())
-                              .bias(options.bias()));
+  torch::nn::Linear dense(
+      torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
   at::NoGradGuard no_grad;
   dense->weight.copy_(unshard(weight, 1, options.group()));
   if (options.bias()) {

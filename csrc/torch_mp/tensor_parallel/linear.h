@@ -7,14 +7,14 @@
 // A column layer followed by a row layer (an MLP) needs one all-reduce forward and one backward.
 // The Python modules in torch_mp.tensor_parallel call the same functions.
 
-#include <optional>
-#include <ostream>
-
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <ostream>
 
 #include "torch_mp/process_groups.h"
 
@@ -29,14 +29,13 @@ namespace torch_mp::tensor_parallel {
 /// `sequence_parallel`, all-gathered along dim 0 (the sequence dim of [s, b, h] tensors).
 /// Returns this rank's output columns, or all of them with `gather_output`.
 /// Raises if the shard does not match `out_features` split over the group.
-at::Tensor column_parallel_linear(
-    const at::Tensor& input,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias,
-    int64_t out_features,
-    bool gather_output,
-    bool sequence_parallel,
-    const GroupPtr& group);
+at::Tensor column_parallel_linear(const at::Tensor& input,
+                                  const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  int64_t out_features,
+                                  bool gather_output,
+                                  bool sequence_parallel,
+                                  const GroupPtr& group);
 
 /// Forward of a row-parallel linear layer.
 ///
@@ -45,47 +44,43 @@ at::Tensor column_parallel_linear(
 /// last dim, otherwise it is split here. Partial products are all-reduced or, with
 /// `sequence_parallel`, reduce-scattered along dim 0.
 /// Raises if the shard does not match `in_features` split over the group.
-at::Tensor row_parallel_linear(
-    const at::Tensor& input,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias,
-    int64_t in_features,
-    bool input_is_parallel,
-    bool sequence_parallel,
-    const GroupPtr& group);
+at::Tensor row_parallel_linear(const at::Tensor& input,
+                               const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias,
+                               int64_t in_features,
+                               bool input_is_parallel,
+                               bool sequence_parallel,
+                               const GroupPtr& group);
 
 /// Checks a column-parallel layer's configuration: sizes divisible by the group size, no
 /// `gather_output` together with `sequence_parallel`, and the same configuration on every rank
 /// of the group (one small all-gather). Raises with the reason otherwise.
-void check_column_parallel_linear(
-    int64_t in_features,
-    int64_t out_features,
-    bool bias,
-    bool gather_output,
-    bool sequence_parallel,
-    const GroupPtr& group);
+void check_column_parallel_linear(int64_t in_features,
+                                  int64_t out_features,
+                                  bool bias,
+                                  bool gather_output,
+                                  bool sequence_parallel,
+                                  const GroupPtr& group);
 
 /// The same checks for a row-parallel layer (`sequence_parallel` needs `input_is_parallel`).
-void check_row_parallel_linear(
-    int64_t in_features,
-    int64_t out_features,
-    bool bias,
-    bool input_is_parallel,
-    bool sequence_parallel,
-    const GroupPtr& group);
+void check_row_parallel_linear(int64_t in_features,
+                               int64_t out_features,
+                               bool bias,
+                               bool input_is_parallel,
+                               bool sequence_parallel,
+                               const GroupPtr& group);
 
 /// Fills the shards `weight` (and `bias`) with this rank's part of a dense [out, in] Linear
 /// initialised exactly as torch.nn.Linear does (Kaiming-uniform weight, uniform(+-1/sqrt(in))
 /// bias). Ranks seeded alike hold shards of one dense layer, and that layer equals the
 /// nn.Linear the same seed would give. `shard_dim` is 0 for column, 1 for row layers; a row
 /// layer's bias is whole.
-void init_parallel_linear_(
-    at::Tensor& weight,
-    std::optional<at::Tensor> bias,
-    int64_t in_features,
-    int64_t out_features,
-    int64_t shard_dim,
-    const GroupPtr& group);
+void init_parallel_linear_(at::Tensor& weight,
+                           std::optional<at::Tensor> bias,
+                           int64_t in_features,
+                           int64_t out_features,
+                           int64_t shard_dim,
+                           const GroupPtr& group);
 
 // ---- torch::nn modules -----------------------------------------------------------------------
 
@@ -145,8 +140,8 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   void pretty_print(std::ostream& stream) const override;
 
   /// Shards `dense` for `options.group()`; `options` must name the dense layer's sizes and bias.
-  static ColumnParallelLinear from_dense(
-      const torch::nn::Linear& dense, ColumnParallelLinearOptions options);
+  static ColumnParallelLinear from_dense(const torch::nn::Linear& dense,
+                                         ColumnParallelLinearOptions options);
   /// The dense layer, gathered from every rank (a collective: call it on all ranks).
   torch::nn::Linear to_dense() const;
 
@@ -180,8 +175,8 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   void pretty_print(std::ostream& stream) const override;
 
   /// Shards `dense` for `options.group()`; `options` must name the dense layer's sizes and bias.
-  static RowParallelLinear from_dense(
-      const torch::nn::Linear& dense, RowParallelLinearOptions options);
+  static RowParallelLinear from_dense(const torch::nn::Linear& dense,
+                                      RowParallelLinearOptions options);
   /// The dense layer, gathered from every rank (a collective: call it on all ranks).
   torch::nn::Linear to_dense() const;
 

@@ -1,0 +1,102 @@
+// pybind11 bindings of the pipeline schedule IR and simulator (torch_mp._C.pipeline).
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <sstream>
+
+#include "torch_mp/pipeline/partition.h"
+#include "torch_mp/pipeline/schedule.h"
+#include "torch_mp/pipeline/simulate.h"
+
+namespace py = pybind11;
+
+namespace torch_mp::python {
+
+void bind_pipeline(py::module_& parent) {
+  using namespace torch_mp::pipeline;
+  auto m = parent.def_submodule("pipeline", "Pipeline schedules and their simulator");
+
+  py::class_<Action>(m, "Action", "One step of one rank: a kind on a (stage, micro-batch).")
+      .def(py::init([](const std::string& kind, int64_t stage, int64_t microbatch) {
+             auto action = Action::parse(kind + "(" + std::to_string(stage) + "," +
+                                         std::to_string(microbatch) + ")");
+             return action;
+           }),
+           py::arg("kind"),
+           py::arg("stage"),
+           py::arg("microbatch"))
+      .def_property_readonly("kind", [](const Action& a) { return kind_name(a.kind); })
+      .def_readonly("stage", &Action::stage)
+      .def_readonly("microbatch", &Action::microbatch)
+      .def_property_readonly("is_compute", [](const Action& a) { return is_compute(a.kind); })
+      .def_static("parse", &Action::parse, py::arg("text"))
+      .def("__eq__", &Action::operator==)
+      .def("__hash__",
+           [](const Action& a) {
+             return py::hash(py::make_tuple(static_cast<int>(a.kind), a.stage, a.microbatch));
+           })
+      .def("__str__", &Action::to_string)
+      .def("__repr__", [](const Action& a) { return "Action(" + a.to_string() + ")"; });
+
+  py::class_<Schedule>(m, "Schedule", "Every pipeline rank's ordered actions.")
+      .def(py::init<>())
+      .def_readwrite("name", &Schedule::name)
+      .def_readwrite("num_stages", &Schedule::num_stages)
+      .def_readwrite("num_microbatches", &Schedule::num_microbatches)
+      .def_readwrite("stages_per_rank", &Schedule::stages_per_rank)
+      .def_readwrite("actions", &Schedule::actions)
+      .def_property_readonly("num_ranks", &Schedule::num_ranks)
+      .def("rank_of_stage", &Schedule::rank_of_stage, py::arg("stage"))
+      .def_static("parse", &Schedule::parse, py::arg("text"))
+      .def("__str__", &Schedule::to_string)
+      .def("__repr__", [](const Schedule& s) {
+        return "Schedule(" + s.name + ", num_stages=" + std::to_string(s.num_stages) +
+               ", num_microbatches=" + std::to_string(s.num_microbatches) +
+               ", stages_per_rank=" + std::to_string(s.stages_per_rank) + ")";
+      });
+
+  py::class_<TimedAction>(m, "TimedAction")
+      .def_readonly("rank", &TimedAction::rank)
+      .def_readonly("action", &TimedAction::action)
+      .def_readonly("start", &TimedAction::start)
+      .def_readonly("end", &TimedAction::end);
+
+  py::class_<SimulationResult>(m, "SimulationResult")
+      .def_readonly("makespan", &SimulationResult::makespan)
+      .def_readonly("bubble_fraction", &SimulationResult::bubble_fraction)
+      .def_readonly("busy", &SimulationResult::busy)
+      .def_readonly("peak_live_microbatches", &SimulationResult::peak_live_microbatches)
+      .def_readonly("timeline", &SimulationResult::timeline)
+      .def("__repr__", [](const SimulationResult& r) {
+        std::ostringstream out;
+        out << "SimulationResult(makespan=" << r.makespan
+            << ", bubble_fraction=" << r.bubble_fraction << ")";
+        return out.str();
+      });
+
+  m.def("balanced_partition", &balanced_partition, py::arg("costs"), py::arg("num_stages"));
+  m.def("schedule_names", &schedule_names);
+  m.def("make_schedule",
+        &make_schedule,
+        py::arg("name"),
+        py::arg("num_stages"),
+        py::arg("num_microbatches"),
+        py::arg("stages_per_rank") = 1);
+  m.def(
+      "simulate",
+      [](const Schedule& schedule,
+         double forward,
+         double backward,
+         std::optional<double> weight,
+         double comm) {
+        return simulate(schedule, CostModel{forward, backward, weight, comm});
+      },
+      py::arg("schedule"),
+      py::arg("forward"),
+      py::arg("backward"),
+      py::arg("weight"),
+      py::arg("comm"));
+}
+
+}  // namespace torch_mp::python

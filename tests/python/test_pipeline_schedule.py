@@ -1,0 +1,156 @@
+"""Pipeline schedules held to their theory by the simulator, and their text, pictures and
+traces. (The C++ suite checks the same generators in more depth.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torch_mp import pipeline
+
+SIZES = [(p, m) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(name, p, m):
+    result = pipeline.simulate(pipeline.schedule(name, p, m), forward=1.0, backward=2.0)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    assert result.makespan == pytest.approx(3 * (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_gpipe_keeps_every_microbatch_and_1f1b_at_most_p(p, m):
+    gpipe = pipeline.simulate(pipeline.schedule("gpipe", p, m))
+    one_f_one_b = pipeline.simulate(pipeline.schedule("1f1b", p, m))
+    assert gpipe.peak_live_microbatches == [m] * p
+    assert max(one_f_one_b.peak_live_microbatches) <= p
+    assert one_f_one_b.peak_live_microbatches == [min(p - r, m) for r in range(p)]
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_interleaving_divides_the_bubble_by_about_stages_per_rank(p, m):
+    v = 2
+    interleaved = pipeline.simulate(pipeline.schedule("interleaved_1f1b", p * v, m, v))
+    one_f_one_b = pipeline.simulate(pipeline.schedule("1f1b", p, m))
+    # Megatron's interleaved bubble: (p - 1) / (v m + p - 1), against 1F1B's (p - 1) / (m + p - 1).
+    assert interleaved.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert one_f_one_b.bubble_fraction / interleaved.bubble_fraction > 0.75 * v
+
+
+@pytest.mark.parametrize("p,m", SIZES)
+def test_zb_h1_bubble_is_below_1f1b_with_equal_f_b_w(p, m):
+    costs = {"forward": 1.0, "backward": 1.0, "weight": 1.0}
+    zb = pipeline.simulate(pipeline.schedule("zb_h1", p, m), **costs)
+    one_f_one_b = pipeline.simulate(pipeline.schedule("1f1b", p, m), **costs)
+    assert zb.bubble_fraction < one_f_one_b.bubble_fraction
+    assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    assert max(zb.peak_live_microbatches) <= p
+
+
+def test_text_form_round_trips(tmp_path):
+    for name, stages, per_rank in [("1f1b", 4, 1), ("interleaved_1f1b", 4, 2), ("zb_h1", 3, 1)]:
+        original = pipeline.schedule(name, stages, 4, per_rank)
+        path = tmp_path / f"{name}.txt"
+        path.write_text(str(original))
+        loaded = pipeline.load_schedule(path)
+        assert loaded.actions == original.actions
+        assert (
+            loaded.name,
+            loaded.num_stages,
+            loaded.num_microbatches,
+            loaded.stages_per_rank,
+        ) == (name, stages, 4, per_rank)
+
+
+def test_a_receive_without_a_send_is_rejected_with_its_place():
+    text = str(pipeline.schedule("1f1b", 2, 2)).replace(" SEND_F(0,1)", "")
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank 1, step \d+, RECV_F\(1,1\): a receive with no "
+        r"matching send \(SEND_F\(0,1\) on rank 0 is missing\)",
+    ):
+        pipeline.simulate(pipeline.load_schedule(text))
+
+
+def test_a_deadlock_is_rejected_naming_every_waiting_rank():
+    text = """
+    rank 0: RECV_B(0,0) F(0,0) SEND_F(0,0) BW(0,0)
+    rank 1: RECV_F(1,0) F(1,0) BW(1,0) SEND_B(1,0)
+    """
+    with pytest.raises(
+        RuntimeError,
+        match=r"deadlocks(.|\n)*rank 0, step 0, RECV_B\(0,0\)"
+        r"(.|\n)*rank 1, step 0, RECV_F\(1,0\)",
+    ):
+        pipeline.simulate(pipeline.load_schedule(text))
+
+
+def test_unknown_schedule_and_bad_sizes_raise():
+    with pytest.raises(RuntimeError, match="unknown schedule 'pipedream'"):
+        pipeline.schedule("pipedream", 2, 2)
+    with pytest.raises(RuntimeError, match="needs stages_per_rank >= 2"):
+        pipeline.schedule("interleaved_1f1b", 4, 4)
+    with pytest.raises(RuntimeError, match="divisible by the number of pipeline ranks"):
+        pipeline.schedule("interleaved_1f1b", 4, 3, stages_per_rank=2)
+
+
+def test_render_writes_svg_and_png(tmp_path):
+    s = pipeline.schedule("zb_h1", 4, 8)
+    pipeline.render(s, tmp_path / "t.svg")
+    pipeline.render(pipeline.simulate(s, 1.0, 1.0, 1.0), tmp_path / "t.png")
+    svg = (tmp_path / "t.svg").read_text()
+    assert svg.lstrip().startswith("<?xml") and "rank 3" in svg
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"\.svg or \.png"):
+        pipeline.render(s, tmp_path / "t.pdf")
+
+
+def test_chrome_trace_has_one_event_per_action(tmp_path):
+    s = pipeline.schedule("1f1b", 2, 4)
+    pipeline.chrome_trace(s, tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    actions = sum(len(a) for a in s.actions)
+    assert len([e for e in events if e["ph"] in ("X", "i")]) == actions
+    forward = next(e for e in events if e["name"] == "F(1,0)")
+    assert forward["tid"] == 1 and forward["dur"] == pytest.approx(1e6)
+
+
+def _model() -> torch.nn.Sequential:
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 4),  # 20 parameters
+        torch.nn.ReLU(),
+        torch.nn.Linear(4, 16),  # 80
+        torch.nn.Linear(16, 4),  # 68
+        torch.nn.Linear(4, 4),  # 20
+    )
+
+
+def test_partition_by_params_minimises_the_largest_stage():
+    model = _model()
+    stages = pipeline.partition(model, 2)
+    # Cuts of 5 layers into 2: the best largest stage is 100 (20+0+80 | 68+20 = 88).
+    assert [len(s) for s in stages] == [3, 2]
+    assert stages[0][0] is model[0] and list(stages[1]._modules) == ["3", "4"]
+
+
+def test_partition_with_explicit_sizes_and_bad_input():
+    model = _model()
+    assert [len(s) for s in pipeline.partition(model, 3, balance=[1, 1, 3])] == [1, 1, 3]
+    with pytest.raises(ValueError, match="adding up to the 5 layers"):
+        pipeline.partition(model, 2, balance=[1, 1])
+    with pytest.raises(RuntimeError, match="cannot cut 5 layers into 6"):
+        pipeline.partition(model, 6)
+    with pytest.raises(ValueError, match="needs sample_input"):
+        pipeline.partition(model, 2, balance="time")
+
+
+def test_partition_by_time_gives_every_stage_a_layer():
+    model = _model()
+    stages = pipeline.partition(model, 4, balance="time", sample_input=torch.randn(8, 4))
+    assert sum(len(s) for s in stages) == 5 and all(len(s) >= 1 for s in stages)
+    assert all(p.grad is None for p in model.parameters())  # profiling leaves no gradients

@@ -1,0 +1,39 @@
+"""Pipeline parallelism: schedules as data, their simulator, and pictures of them.
+
+::
+
+    from torch_mp import pipeline
+    s = pipeline.schedule("1f1b", num_stages=4, num_microbatches=8)
+    print(s)                                   # one line of actions per pipeline rank
+    r = pipeline.simulate(s, forward=1.0, backward=2.0)
+    r.bubble_fraction                          # (p - 1) / (m + p - 1) = 3 / 11
+    pipeline.render(r, "1f1b.svg")             # timeline picture (.svg or .png)
+    pipeline.chrome_trace(r, "1f1b.json")      # for Perfetto / chrome://tracing
+"""
+
+from torch_mp.pipeline.partition import partition
+from torch_mp.pipeline.render import chrome_trace, render
+from torch_mp.pipeline.schedule import (
+    Action,
+    Schedule,
+    SimulationResult,
+    TimedAction,
+    load_schedule,
+    schedule,
+    schedule_names,
+    simulate,
+)
+
+__all__ = [
+    "Action",
+    "Schedule",
+    "SimulationResult",
+    "TimedAction",
+    "chrome_trace",
+    "load_schedule",
+    "partition",
+    "render",
+    "schedule",
+    "schedule_names",
+    "simulate",
+]

@@ -1,0 +1,79 @@
+"""Schedule generators and the simulator (both in the C++ core, csrc/torch_mp/pipeline)."""
+
+from __future__ import annotations
+
+import os
+
+from torch_mp._C import pipeline as _core
+
+Action = _core.Action
+Schedule = _core.Schedule
+SimulationResult = _core.SimulationResult
+TimedAction = _core.TimedAction
+
+
+def schedule_names() -> list[str]:
+    """The names :func:`schedule` accepts."""
+    return _core.schedule_names()
+
+
+def schedule(
+    name: str, num_stages: int, num_microbatches: int, stages_per_rank: int = 1
+) -> Schedule:
+    """Generates a pipeline schedule: every pipeline rank's ordered actions.
+
+    Args:
+        name: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` (``stages_per_rank >= 2``,
+            ``num_microbatches`` divisible by the number of ranks) or ``"zb_h1"`` (zero bubble:
+            backward split into input-gradient B and weight-gradient W).
+        num_stages: Total number of stages; there are ``num_stages // stages_per_rank`` pipeline
+            ranks, and stage ``s`` lives on rank ``s % ranks``.
+        num_microbatches: Micro-batches per step.
+        stages_per_rank: Stages (virtual stages) each rank holds.
+
+    Returns:
+        The :class:`Schedule`, sends and receives included. ``str(schedule)`` is its text form,
+        which :func:`load_schedule` / ``Schedule.parse`` read back.
+
+    Raises:
+        RuntimeError: For an unknown name or sizes the schedule cannot take.
+    """
+    return _core.make_schedule(name, num_stages, num_microbatches, stages_per_rank)
+
+
+def load_schedule(path_or_text: str | os.PathLike) -> Schedule:
+    """Reads a schedule from a file (or from its text), e.g. one written by ``str(schedule)``
+    and edited by hand. Check it with :func:`simulate` before running it."""
+    text = str(path_or_text)
+    if "\n" not in text and os.path.exists(text):
+        with open(text) as f:
+            text = f.read()
+    return Schedule.parse(text)
+
+
+def simulate(
+    schedule: Schedule,
+    forward: float = 1.0,
+    backward: float = 2.0,
+    weight: float | None = None,
+    comm: float = 0.0,
+) -> SimulationResult:
+    """Replays ``schedule`` with a cost model, checking that it can run.
+
+    Args:
+        schedule: The schedule to replay.
+        forward: Time of F.
+        backward: Time of B (input gradient). A full backward BW costs ``backward + weight``;
+            without ``weight``, ``backward`` is the whole backward (BW = backward, B = W = half).
+        weight: Time of W (weight gradient).
+        comm: Latency from a send to its receive.
+
+    Returns:
+        A :class:`SimulationResult` with ``makespan``, ``bubble_fraction``, per-rank ``busy``
+        and ``peak_live_microbatches``, and the ``timeline`` of every action.
+
+    Raises:
+        RuntimeError: Naming rank, step and action, if the schedule would deadlock, breaks a
+            dependency, has a receive without a send (or the reverse), or misses a computation.
+    """
+    return _core.simulate(schedule, forward, backward, weight, comm)
