@@ -1,10 +1,14 @@
 // pybind11 bindings of the pipeline schedule IR and simulator (torch_mp._C.pipeline).
 
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <sstream>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "torch_mp/pipeline/executor.h"
 #include "torch_mp/pipeline/partition.h"
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/pipeline/simulate.h"
@@ -74,6 +78,44 @@ void bind_pipeline(py::module_& parent) {
             << ", bubble_fraction=" << r.bubble_fraction << ")";
         return out.str();
       });
+
+  py::class_<Stage>(m, "Stage", "A stage's forward and the parameters its W differentiates.")
+      .def(py::init([](std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> fn,
+                       std::vector<at::Tensor> parameters) {
+             return Stage{std::move(fn), std::move(parameters)};
+           }),
+           py::arg("forward"),
+           py::arg("parameters"));
+
+  py::class_<Executor>(m, "Executor", "Runs this rank's actions of a pipeline schedule.")
+      .def(py::init([](Schedule schedule,
+                       std::vector<Stage> stages,
+                       LossFn loss,
+                       const std::string& group) {
+             return std::make_unique<Executor>(std::move(schedule),
+                                               std::move(stages),
+                                               std::move(loss),
+                                               c10d::resolve_process_group(group));
+           }),
+           py::arg("schedule"),
+           py::arg("stages"),
+           py::arg("loss"),
+           py::arg("group"))
+      // The autograd engine refuses to run under the GIL; the stage and loss callbacks take it
+      // back while they run Python.
+      .def("step",
+           &Executor::step,
+           py::arg("inputs"),
+           py::arg("targets"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("eval_step",
+           &Executor::eval_step,
+           py::arg("inputs"),
+           py::arg("targets"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("trace", &Executor::trace)
+      .def_property_readonly("schedule", &Executor::schedule);
+  m.def("split_microbatches", &split_microbatches, py::arg("batch"), py::arg("num_microbatches"));
 
   m.def("balanced_partition", &balanced_partition, py::arg("costs"), py::arg("num_stages"));
   m.def("schedule_names", &schedule_names);

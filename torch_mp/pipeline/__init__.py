@@ -11,6 +11,7 @@
     pipeline.chrome_trace(r, "1f1b.json")      # for Perfetto / chrome://tracing
 """
 
+from torch_mp.pipeline.executor import Pipeline
 from torch_mp.pipeline.partition import partition
 from torch_mp.pipeline.render import chrome_trace, render
 from torch_mp.pipeline.schedule import (
@@ -25,6 +26,7 @@ from torch_mp.pipeline.schedule import (
 )
 
 __all__ = [
+    "Pipeline",
     "Action",
     "Schedule",
     "SimulationResult",

@@ -1,0 +1,358 @@
+#include "torch_mp/pipeline/executor.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <chrono>
+#include <functional>
+#include <sstream>
+
+#include "torch_mp/collectives.h"
+#include "torch_mp/pipeline/p2p.h"
+
+namespace torch_mp::pipeline {
+namespace {
+
+// "[Float[4, 16], Long[4]]"
+std::string describe(const std::vector<at::Tensor>& tensors) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    out << (i ? ", " : "") << tensors[i].scalar_type() << tensors[i].sizes();
+  }
+  out << "]";
+  return out.str();
+}
+
+// Leaves that stand for a received (or same-rank) stage input, so backward stops at the stage.
+std::vector<at::Tensor> as_stage_inputs(const std::vector<at::Tensor>& tensors, bool train) {
+  std::vector<at::Tensor> leaves;
+  for (const auto& t : tensors) {
+    auto leaf = t.detach();
+    if (train && leaf.is_floating_point()) {
+      leaf.requires_grad_(true);
+    }
+    leaves.push_back(leaf);
+  }
+  return leaves;
+}
+
+// The gradient of each input (zeros where autograd produced none), as the previous stage
+// expects one per tensor it sent.
+std::vector<at::Tensor> input_gradients(const std::vector<at::Tensor>& inputs,
+                                        const std::vector<at::Tensor>& computed) {
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& g = computed[i];
+    grads.push_back(g.defined() ? g : at::zeros_like(inputs[i]));
+  }
+  return grads;
+}
+
+}  // namespace
+
+std::vector<std::vector<at::Tensor>> split_microbatches(const std::vector<at::Tensor>& batch,
+                                                        int64_t num_microbatches) {
+  TORCH_CHECK(
+      num_microbatches > 0, "Pipeline: num_microbatches must be positive, got ", num_microbatches);
+  std::vector<std::vector<at::Tensor>> result(num_microbatches);
+  for (const auto& t : batch) {
+    TORCH_CHECK(t.dim() > 0 && t.size(0) % num_microbatches == 0,
+                "Pipeline: the batch size (",
+                t.dim() > 0 ? t.size(0) : 0,
+                ") of a ",
+                describe({t}),
+                " tensor must be divisible by num_microbatches (",
+                num_microbatches,
+                ")");
+    auto chunks = t.chunk(num_microbatches, 0);
+    for (int64_t m = 0; m < num_microbatches; ++m) {
+      result[m].push_back(chunks[m]);
+    }
+  }
+  return result;
+}
+
+Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, GroupPtr group)
+    : schedule_(std::move(schedule)),
+      stages_(std::move(stages)),
+      loss_(std::move(loss)),
+      group_(std::move(group)) {
+  TORCH_CHECK(group_, "Pipeline: no pipeline process group");
+  rank_ = group_->getRank();
+  TORCH_CHECK(schedule_.num_ranks() == group_->getSize(),
+              "Pipeline: the schedule is for ",
+              schedule_.num_ranks(),
+              " pipeline ranks but the pipeline group has ",
+              group_->getSize());
+  TORCH_CHECK(static_cast<int64_t>(stages_.size()) == schedule_.stages_per_rank,
+              "Pipeline: rank ",
+              rank_,
+              " was given ",
+              stages_.size(),
+              " stage module(s), but the schedule puts ",
+              schedule_.stages_per_rank,
+              " stage(s) on each rank");
+  simulate(schedule_);  // raises, naming rank, step and action, if the schedule cannot run
+  const auto text_hash = static_cast<int64_t>(std::hash<std::string>{}(schedule_.to_string()) >> 1);
+  comm::check_same_across_ranks({text_hash, schedule_.num_stages, schedule_.num_microbatches},
+                                group_,
+                                "the pipeline schedule [text hash, num_stages, num_microbatches]");
+  for (const auto& stage : stages_) {
+    if (!stage.parameters.empty()) {
+      device_ = stage.parameters[0].device();
+      break;
+    }
+  }
+}
+
+Stage& Executor::local(int64_t stage) { return stages_[stage / schedule_.num_ranks()]; }
+
+int Executor::tag(ActionKind kind, int64_t stage, int64_t microbatch) const {
+  // A message is named by its sender: SEND_F(s) <-> RECV_F(s + 1), SEND_B(s) <-> RECV_B(s - 1).
+  const bool forward = kind == ActionKind::kSendForward || kind == ActionKind::kRecvForward;
+  const int64_t sender = kind == ActionKind::kRecvForward    ? stage - 1
+                         : kind == ActionKind::kRecvBackward ? stage + 1
+                                                             : stage;
+  const int64_t index =
+      ((forward ? 0 : 1) * schedule_.num_stages + sender) * schedule_.num_microbatches + microbatch;
+  return static_cast<int>(index * kTagsPerMessage);
+}
+
+void Executor::forward(const Action& a,
+                       Slot& slot,
+                       const std::vector<std::vector<at::Tensor>>& inputs,
+                       const std::vector<std::vector<at::Tensor>>& targets,
+                       bool train,
+                       std::vector<std::vector<at::Tensor>>* outputs) {
+  const int64_t s = a.stage;
+  const int64_t m = a.microbatch;
+  if (s == 0) {
+    TORCH_CHECK(static_cast<int64_t>(inputs.size()) == schedule_.num_microbatches,
+                "Pipeline: rank ",
+                rank_,
+                " holds the first stage and must be given the inputs");
+    slot.inputs = inputs[m];
+  } else if (schedule_.rank_of_stage(s - 1) == rank_) {
+    slot.inputs = as_stage_inputs(slots_.at({s - 1, m}).outputs, train);
+  }
+  std::vector<at::Tensor> out;
+  try {
+    out = local(s).forward(slot.inputs);
+  } catch (const std::exception& e) {
+    std::ostringstream from;
+    if (s > 0) {
+      from << " from stage " << s - 1 << " (rank " << schedule_.rank_of_stage(s - 1) << ")";
+    }
+    TORCH_CHECK(false,
+                "Pipeline: stage ",
+                s,
+                " (rank ",
+                rank_,
+                ") failed on micro-batch ",
+                m,
+                " given ",
+                describe(slot.inputs),
+                from.str(),
+                ": ",
+                e.what());
+  }
+  if (s < schedule_.num_stages - 1) {
+    slot.outputs = std::move(out);
+    return;
+  }
+  if (outputs) {
+    outputs->push_back(out);
+  }
+  if (targets.empty() && !train) {
+    return;  // evaluation without a loss
+  }
+  TORCH_CHECK(static_cast<int64_t>(targets.size()) == schedule_.num_microbatches,
+              "Pipeline: rank ",
+              rank_,
+              " holds the last stage and must be given target=");
+  at::Tensor loss = loss_(out, targets[m]);
+  TORCH_CHECK(loss.numel() == 1,
+              "Pipeline: the loss function must return a scalar, got shape ",
+              loss.sizes());
+  losses_.push_back(loss.detach().reshape({}));
+  if (train) {
+    slot.outputs = {loss.reshape({}) / static_cast<double>(schedule_.num_microbatches)};
+  }
+}
+
+std::vector<at::Tensor> Executor::gradients_for(const Action& a, Slot& slot) {
+  if (a.stage == schedule_.num_stages - 1) {
+    return {};  // the loss: autograd seeds it with 1
+  }
+  if (schedule_.rank_of_stage(a.stage + 1) == rank_) {
+    return slots_.at({a.stage + 1, a.microbatch}).input_grads;
+  }
+  return slot.output_grads;
+}
+
+void Executor::backward(const Action& a, Slot& slot) {
+  auto grads = gradients_for(a, slot);
+  // Only outputs that take part in autograd get a gradient.
+  std::vector<at::Tensor> outs;
+  std::vector<at::Tensor> out_grads;
+  for (size_t i = 0; i < slot.outputs.size(); ++i) {
+    if (slot.outputs[i].requires_grad()) {
+      outs.push_back(slot.outputs[i]);
+      if (!grads.empty()) {
+        out_grads.push_back(grads.at(i));
+      }
+    }
+  }
+  std::vector<at::Tensor> leaves;
+  std::vector<size_t> leaf_index;
+  for (size_t i = 0; i < slot.inputs.size(); ++i) {
+    if (slot.inputs[i].requires_grad()) {
+      leaves.push_back(slot.inputs[i]);
+      leaf_index.push_back(i);
+    }
+  }
+  std::vector<at::Tensor> computed(slot.inputs.size());
+  if (a.kind == ActionKind::kFullBackward) {
+    if (!outs.empty()) {
+      torch::autograd::backward(outs, out_grads);
+    }
+    for (size_t j = 0; j < leaves.size(); ++j) {
+      computed[leaf_index[j]] = leaves[j].grad();
+    }
+    slot.outputs.clear();
+    slot.output_grads.clear();
+  } else {
+    // B: the input gradient only; the graph and output gradients stay for W.
+    if (!outs.empty() && !leaves.empty()) {
+      const auto g = torch::autograd::grad(outs,
+                                           leaves,
+                                           out_grads,
+                                           /*retain_graph=*/true,
+                                           /*create_graph=*/false,
+                                           /*allow_unused=*/true);
+      for (size_t j = 0; j < leaves.size(); ++j) {
+        computed[leaf_index[j]] = g[j];
+      }
+    }
+    slot.outputs = outs;
+    slot.output_grads = out_grads;
+  }
+  slot.input_grads = input_gradients(slot.inputs, computed);
+  slot.inputs.clear();
+}
+
+void Executor::weight(Slot& slot, int64_t stage) {
+  std::vector<at::Tensor> params;
+  for (const auto& p : local(stage).parameters) {
+    if (p.requires_grad()) {
+      params.push_back(p);
+    }
+  }
+  if (!slot.outputs.empty() && !params.empty()) {
+    torch::autograd::backward(slot.outputs,
+                              slot.output_grads,
+                              /*retain_graph=*/false,
+                              /*create_graph=*/false,
+                              params);
+  }
+  slot.outputs.clear();
+  slot.output_grads.clear();
+}
+
+std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
+                                        const std::vector<std::vector<at::Tensor>>& inputs,
+                                        const std::vector<std::vector<at::Tensor>>& targets,
+                                        bool train,
+                                        std::vector<std::vector<at::Tensor>>* outputs) {
+  slots_.clear();
+  losses_.clear();
+  trace_.clear();
+  pending_sends_.clear();
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto seconds = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  for (const Action& a : actions) {
+    const double began = seconds();
+    Slot& slot = slots_[{a.stage, a.microbatch}];
+    switch (a.kind) {
+      case ActionKind::kRecvForward:
+        slot.inputs =
+            as_stage_inputs(recv_tensors(static_cast<int>(schedule_.rank_of_stage(a.stage - 1)),
+                                         tag(a.kind, a.stage, a.microbatch),
+                                         group_,
+                                         device_),
+                            train);
+        break;
+      case ActionKind::kRecvBackward:
+        slot.output_grads = recv_tensors(static_cast<int>(schedule_.rank_of_stage(a.stage + 1)),
+                                         tag(a.kind, a.stage, a.microbatch),
+                                         group_,
+                                         device_);
+        break;
+      case ActionKind::kSendForward:
+      case ActionKind::kSendBackward: {
+        const bool fwd = a.kind == ActionKind::kSendForward;
+        auto works =
+            send_tensors(fwd ? slot.outputs : slot.input_grads,
+                         static_cast<int>(schedule_.rank_of_stage(a.stage + (fwd ? 1 : -1))),
+                         tag(a.kind, a.stage, a.microbatch),
+                         group_);
+        pending_sends_.insert(pending_sends_.end(), works.begin(), works.end());
+        break;
+      }
+      case ActionKind::kForward:
+        forward(a, slot, inputs, targets, train, outputs);
+        break;
+      case ActionKind::kBackwardInput:
+      case ActionKind::kFullBackward:
+        backward(a, slot);
+        break;
+      case ActionKind::kBackwardWeight:
+        weight(slot, a.stage);
+        break;
+    }
+    trace_.push_back({rank_, a, began, seconds()});
+  }
+  for (auto& work : pending_sends_) {
+    work->wait();
+  }
+  pending_sends_.clear();
+  slots_.clear();
+  if (losses_.empty()) {
+    return std::nullopt;
+  }
+  return at::stack(losses_).mean();
+}
+
+std::optional<at::Tensor> Executor::step(const std::vector<std::vector<at::Tensor>>& inputs,
+                                         const std::vector<std::vector<at::Tensor>>& targets) {
+  return run(schedule_.actions[rank_], inputs, targets, /*train=*/true, nullptr);
+}
+
+std::pair<std::vector<at::Tensor>, std::optional<at::Tensor>> Executor::eval_step(
+    const std::vector<std::vector<at::Tensor>>& inputs,
+    const std::vector<std::vector<at::Tensor>>& targets) {
+  std::vector<Action> forward_only;
+  for (const Action& a : schedule_.actions[rank_]) {
+    if (a.kind == ActionKind::kForward || a.kind == ActionKind::kSendForward ||
+        a.kind == ActionKind::kRecvForward) {
+      forward_only.push_back(a);
+    }
+  }
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> per_microbatch;
+  auto loss = run(forward_only, inputs, targets, /*train=*/false, &per_microbatch);
+  std::vector<at::Tensor> outputs;
+  for (size_t i = 0; !per_microbatch.empty() && i < per_microbatch[0].size(); ++i) {
+    std::vector<at::Tensor> parts;
+    for (const auto& mb : per_microbatch) {
+      parts.push_back(mb[i]);
+    }
+    outputs.push_back(at::cat(parts, 0));
+  }
+  return {outputs, loss};
+}
+
+}  // namespace torch_mp::pipeline

@@ -1,0 +1,99 @@
+#pragma once
+// Runs this rank's part of a pipeline schedule on real stages (DESIGN.md §4, "Execute").
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "torch_mp/pipeline/schedule.h"
+#include "torch_mp/pipeline/simulate.h"
+#include "torch_mp/process_groups.h"
+
+namespace torch_mp::pipeline {
+
+/// A stage: its forward (tensors in, tensors out) and the parameters its W computes gradients of.
+struct Stage {
+  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
+  std::vector<at::Tensor> parameters;
+};
+
+/// The loss of the last stage's outputs against a micro-batch's targets (a scalar, averaged over
+/// the micro-batch).
+using LossFn =
+    std::function<at::Tensor(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&)>;
+
+/// Walks this rank's action list of a schedule.
+///
+/// Forward keeps what backward needs; sends are asynchronous and waited for at the end of the
+/// step; each micro-batch's loss is divided by the number of micro-batches, so the accumulated
+/// parameter gradients equal those of the whole batch's mean loss.
+class Executor {
+ public:
+  /// `stages` are this rank's stages in increasing stage order (stages r, r + p, r + 2p, ...).
+  /// Checks that `schedule` runs (simulate), fits `group` and `stages`, and is the same on every
+  /// rank of `group`; raises otherwise.
+  Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, GroupPtr group);
+
+  /// One training step. `inputs[m]` are micro-batch m's inputs to stage 0 and `targets[m]` its
+  /// targets, each on the rank holding that stage (empty elsewhere). Returns the mean of the
+  /// micro-batch losses on the rank holding the last stage, nullopt elsewhere.
+  std::optional<at::Tensor> step(const std::vector<std::vector<at::Tensor>>& inputs,
+                                 const std::vector<std::vector<at::Tensor>>& targets);
+
+  /// Forward only, without autograd. Returns, on the last stage's rank, the micro-batches' outputs
+  /// concatenated along dim 0, and their mean loss if `targets` were given.
+  std::pair<std::vector<at::Tensor>, std::optional<at::Tensor>> eval_step(
+      const std::vector<std::vector<at::Tensor>>& inputs,
+      const std::vector<std::vector<at::Tensor>>& targets);
+
+  /// What the last step did on this rank, with wall-clock times (seconds from its start).
+  const std::vector<TimedAction>& trace() const { return trace_; }
+  const Schedule& schedule() const { return schedule_; }
+
+ private:
+  // What one (stage, micro-batch) holds between its actions.
+  struct Slot {
+    std::vector<at::Tensor> inputs;        // stage inputs (leaves that require grad, in training)
+    std::vector<at::Tensor> outputs;       // stage outputs; {loss / m} on the last stage
+    std::vector<at::Tensor> output_grads;  // gradients of the outputs, from the next stage
+    std::vector<at::Tensor> input_grads;   // gradients of the inputs, for the previous stage
+  };
+  // Runs `actions`; collects the last stage's per-micro-batch outputs into `outputs` if given.
+  std::optional<at::Tensor> run(const std::vector<Action>& actions,
+                                const std::vector<std::vector<at::Tensor>>& inputs,
+                                const std::vector<std::vector<at::Tensor>>& targets,
+                                bool train,
+                                std::vector<std::vector<at::Tensor>>* outputs);
+  void forward(const Action& a,
+               Slot& slot,
+               const std::vector<std::vector<at::Tensor>>& inputs,
+               const std::vector<std::vector<at::Tensor>>& targets,
+               bool train,
+               std::vector<std::vector<at::Tensor>>* outputs);
+  void backward(const Action& a, Slot& slot);
+  void weight(Slot& slot, int64_t stage);
+  std::vector<at::Tensor> gradients_for(const Action& a, Slot& slot);
+  int tag(ActionKind kind, int64_t stage, int64_t microbatch) const;
+  Stage& local(int64_t stage);
+
+  Schedule schedule_;
+  std::vector<Stage> stages_;
+  LossFn loss_;
+  GroupPtr group_;
+  int64_t rank_;
+  at::Device device_ = at::kCPU;
+  std::map<std::pair<int64_t, int64_t>, Slot> slots_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends_;
+  std::vector<at::Tensor> losses_;
+  std::vector<TimedAction> trace_;
+};
+
+/// Splits each tensor of `batch` along dim 0 into `num_microbatches` equal micro-batches:
+/// result[m] holds micro-batch m of every tensor. Raises if a batch size is not divisible.
+std::vector<std::vector<at::Tensor>> split_microbatches(const std::vector<at::Tensor>& batch,
+                                                        int64_t num_microbatches);
+
+}  // namespace torch_mp::pipeline

@@ -1,0 +1,171 @@
+"""The pipeline executor on real multi-process Gloo groups: every schedule's loss and every
+parameter gradient equal the one-process model's, with the loss averaged over the batch."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import assert_close, error_of, rank_tensor, use_mesh
+from torch import nn
+
+from torch_mp import pipeline
+
+WIDTH = 8
+
+
+def _model(num_stages: int) -> list[nn.Module]:
+    torch.manual_seed(0)  # the same model on every rank
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(num_stages)]
+
+
+def _step_matches_reference(name: str, stages_per_rank: int, microbatches_per_rank: int) -> None:
+    p, rank = dist.get_world_size(), dist.get_rank()
+    mesh = use_mesh(1, pp=p)
+    stages = _model(p * stages_per_rank)
+    reference = copy.deepcopy(nn.Sequential(*stages))
+    m = microbatches_per_rank * p
+    x, y = rank_tensor(1, 0, 2 * m, WIDTH), rank_tensor(2, 0, 2 * m, WIDTH)
+    expected_loss = nn.functional.mse_loss(reference(x), y)
+    expected_loss.backward()
+
+    mine = stages[rank::p]
+    pipe = pipeline.Pipeline(mine, name, m, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    loss = pipe.step(*([x] if rank == 0 else []), target=y if rank == p - 1 else None)
+
+    if rank == p - 1:
+        assert_close(loss, expected_loss.detach(), "loss")
+    else:
+        assert loss is None
+    for index, stage in zip(range(rank, len(stages), p), mine, strict=True):
+        for (name_, param), ref in zip(
+            stage.named_parameters(), reference[index].parameters(), strict=True
+        ):
+            assert_close(param.grad, ref.grad, f"stage {index} {name_} gradient")
+
+
+@pytest.mark.parametrize(
+    "name,stages_per_rank",
+    [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)],
+)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_step_matches_one_process_reference(name, stages_per_rank, world_size, request):
+    world = request.getfixturevalue(f"world{world_size}")
+    world.run(_step_matches_reference, name, stages_per_rank, 2)
+
+
+class _Split(nn.Module):
+    """Returns two tensors: the next stage receives both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)), x * 2
+
+
+class _Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h, skip):
+        return self.linear(h + skip)
+
+
+def _two_tensors_between_stages() -> None:
+    rank = dist.get_rank()
+    mesh = use_mesh(1, pp=2)
+    torch.manual_seed(0)
+    stages = [_Split(), _Join()]
+    reference = copy.deepcopy(stages)
+    x, y = rank_tensor(3, 0, 8, WIDTH), rank_tensor(4, 0, 8, WIDTH)
+    nn.functional.mse_loss(reference[1](*reference[0](x)), y).backward()
+    pipe = pipeline.Pipeline(stages[rank], "1f1b", 4, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    pipe.step(*([x] if rank == 0 else []), target=y if rank == 1 else None)
+    for param, ref in zip(stages[rank].parameters(), reference[rank].parameters(), strict=True):
+        assert_close(param.grad, ref.grad, "gradient")
+
+
+def test_several_tensors_pass_between_stages(world2):
+    world2.run(_two_tensors_between_stages)
+
+
+def _eval_step() -> None:
+    p, rank = dist.get_world_size(), dist.get_rank()
+    mesh = use_mesh(1, pp=p)
+    stages = _model(p)
+    x, y = rank_tensor(5, 0, 8, WIDTH), rank_tensor(6, 0, 8, WIDTH)
+    with torch.no_grad():
+        expected = nn.Sequential(*stages)(x)
+    pipe = pipeline.Pipeline(stages[rank], "1f1b", 4, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    out = pipe.eval_step(*([x] if rank == 0 else []), target=y if rank == p - 1 else None)
+    if rank == p - 1:
+        output, loss = out
+        assert_close(output, expected, "eval output")
+        assert_close(loss, nn.functional.mse_loss(expected, y), "eval loss")
+        assert all(param.grad is None for param in stages[rank].parameters())
+    else:
+        assert out is None
+
+
+def test_eval_step_runs_forward_only(world2):
+    world2.run(_eval_step)
+
+
+def _wrong_shape() -> str | None:
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    torch.manual_seed(0)
+    # Stage 0 emits WIDTH features, stage 1 expects 2 * WIDTH.
+    stage = nn.Linear(WIDTH, WIDTH) if rank == 0 else nn.Linear(2 * WIDTH, WIDTH)
+    pipe = pipeline.Pipeline(stage, "1f1b", 2, loss_fn=nn.functional.mse_loss, group=group)
+    x, y = torch.ones(4, WIDTH), torch.ones(4, WIDTH)
+    return error_of(pipe.step, *([x] if rank == 0 else []), target=y if rank == 1 else None)
+
+
+def test_a_stage_that_emits_the_wrong_shape_is_reported_not_hung(world2):
+    sender, receiver = world2.run(_wrong_shape)
+    assert "stage 1 (rank 1) failed on micro-batch 0 given [Float[2, 8]] from stage 0 (rank 0)" in (
+        receiver
+    )
+    assert sender is not None  # the sender stops at the group's timeout instead of hanging
+
+
+def _bad_construction() -> list[str | None]:
+    mesh = use_mesh(1, pp=2)
+    stage = nn.Linear(WIDTH, WIDTH)
+    return [
+        error_of(pipeline.Pipeline, [stage, stage], pipeline.schedule("1f1b", 2, 4), mesh=mesh),
+        error_of(pipeline.Pipeline, stage, "1f1b", 2 + dist.get_rank(), mesh=mesh),
+    ]
+
+
+def test_a_schedule_that_does_not_fit_or_differs_between_ranks_raises(world2):
+    for stages_mismatch, schedule_mismatch in world2.run(_bad_construction):
+        assert "was given 2 stage module(s), but the schedule puts 1 stage(s) on each rank" in (
+            stages_mismatch
+        )
+        assert "must be the same on every rank" in schedule_mismatch
+
+
+def _trace(tmp: str) -> int:
+    rank = dist.get_rank()
+    mesh = use_mesh(1, pp=2)
+    stages = _model(2)
+    pipe = pipeline.Pipeline(stages[rank], "1f1b", 2, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    x = torch.ones(4, WIDTH)
+    pipe.step(*([x] if rank == 0 else []), target=x if rank == 1 else None)
+    pipeline.chrome_trace(pipe.trace, f"{tmp}/rank{rank}.json")
+    pipeline.render(pipe.trace, f"{tmp}/rank{rank}.svg")
+    return len(pipe.trace.timeline)
+
+
+def test_the_measured_trace_renders(world2, tmp_path):
+    counts = world2.run(_trace, str(tmp_path))
+    assert counts == [len(a) for a in pipeline.schedule("1f1b", 2, 2).actions]
+    assert (tmp_path / "rank1.svg").exists() and (tmp_path / "rank0.json").exists()

@@ -1,0 +1,127 @@
+"""``Pipeline``: runs this rank's stages under a schedule (the executor is the C++ core's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_mp._C import pipeline as _core
+from torch_mp.mesh import Mesh, get_mesh
+from torch_mp.pipeline.schedule import Schedule
+from torch_mp.pipeline.schedule import schedule as make_schedule
+
+
+def _as_list(value) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+class Pipeline:
+    """Pipeline-parallel training of this rank's stage(s).
+
+    Every rank of the pipeline group builds a ``Pipeline`` with its own stage modules and calls
+    :meth:`step` together: the rank holding the first stage passes the batch, the rank holding
+    the last stage passes ``target=``, the others pass nothing. After :meth:`step` every
+    parameter's ``.grad`` equals that of the unpipelined model with the loss averaged over the
+    whole batch (each micro-batch's loss is divided by ``num_microbatches``).
+
+    Args:
+        stage_modules: This rank's stage, or its stages in increasing order for schedules with
+            several stages per rank (rank ``r`` of ``p`` holds stages ``r, r + p, ...``). A stage
+            takes and returns a tensor or a tuple of tensors.
+        schedule: A schedule name (see :func:`torch_mp.pipeline.schedule_names`) or a
+            :class:`~torch_mp.pipeline.Schedule`.
+        num_microbatches: Micro-batches per step; the batch size must be divisible by it.
+        loss_fn: ``loss_fn(output, target)`` on the last stage, averaged over the micro-batch
+            (e.g. ``nn.functional.mse_loss``).
+        mesh: Uses ``mesh.pp_group``; ``group`` instead gives the pipeline group directly; the
+            default mesh's when neither is given.
+
+    Raises:
+        RuntimeError: If the schedule cannot run (it is simulated first), does not fit the group
+            or the number of stage modules, or differs between ranks.
+    """
+
+    def __init__(
+        self,
+        stage_modules: nn.Module | Sequence[nn.Module],
+        schedule: str | Schedule = "1f1b",
+        num_microbatches: int | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        *,
+        mesh: Mesh | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        modules = [stage_modules] if isinstance(stage_modules, nn.Module) else list(stage_modules)
+        if group is None:
+            group = (mesh or get_mesh()).pp_group
+        ranks = dist.get_world_size(group)
+        if isinstance(schedule, str):
+            if num_microbatches is None:
+                raise ValueError("Pipeline: num_microbatches is required with a schedule name")
+            schedule = make_schedule(schedule, ranks * len(modules), num_microbatches, len(modules))
+        self.modules = modules
+        self.num_microbatches = schedule.num_microbatches
+        self.loss_fn = loss_fn
+        self.group = group
+        stages = [
+            _core.Stage(
+                lambda inputs, module=module: _as_list(module(*inputs)),
+                [p for p in module.parameters()],
+            )
+            for module in modules
+        ]
+        self._executor = _core.Executor(schedule, stages, self._loss, group.group_name)
+
+    def _loss(self, outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise RuntimeError("Pipeline: the last stage needs a loss_fn")
+        return self.loss_fn(*outputs, *targets)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule this pipeline runs."""
+        return self._executor.schedule
+
+    @property
+    def trace(self):
+        """This rank's actions in the last step with their wall-clock times in seconds: pass it
+        to :func:`torch_mp.pipeline.render` or :func:`~torch_mp.pipeline.chrome_trace`."""
+        return _Trace(self._executor.trace)
+
+    def _split(self, tensors) -> list[list[torch.Tensor]]:
+        tensors = [t for t in tensors if t is not None]
+        return _core.split_microbatches(tensors, self.num_microbatches) if tensors else []
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None):
+        """Runs forward and backward over all micro-batches, accumulating gradients.
+
+        Returns:
+            The mean micro-batch loss (a detached scalar) on the rank holding the last stage,
+            None elsewhere.
+        """
+        targets = [] if target is None else _as_list(target)
+        return self._executor.step(self._split(inputs), self._split(targets))
+
+    def eval_step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None):
+        """Runs forward only (no autograd).
+
+        Returns:
+            On the rank holding the last stage: the output (micro-batches concatenated), or
+            ``(output, mean loss)`` when ``target`` is given. None elsewhere.
+        """
+        targets = [] if target is None else _as_list(target)
+        outputs, loss = self._executor.eval_step(self._split(inputs), self._split(targets))
+        if not outputs:
+            return None
+        output = outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return output if loss is None else (output, loss)
+
+
+class _Trace:
+    """A measured timeline, in the form render and chrome_trace read."""
+
+    def __init__(self, timeline) -> None:
+        self.timeline = timeline
