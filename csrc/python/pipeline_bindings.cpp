@@ -10,6 +10,7 @@
 
 #include "torch_mp/pipeline/executor.h"
 #include "torch_mp/pipeline/partition.h"
+#include "torch_mp/pipeline/pipeline.h"
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/pipeline/simulate.h"
 
@@ -87,35 +88,51 @@ void bind_pipeline(py::module_& parent) {
            py::arg("forward"),
            py::arg("parameters"));
 
-  py::class_<Executor>(m, "Executor", "Runs this rank's actions of a pipeline schedule.")
-      .def(py::init([](Schedule schedule,
-                       std::vector<Stage> stages,
+  py::class_<Pipeline>(m, "Pipeline", "Runs this rank's stages under a pipeline schedule.")
+      .def(py::init([](std::vector<Stage> stages,
                        LossFn loss,
+                       const std::string& schedule,
+                       int64_t num_microbatches,
                        const std::string& group) {
-             return std::make_unique<Executor>(std::move(schedule),
-                                               std::move(stages),
+             return std::make_unique<Pipeline>(std::move(stages),
                                                std::move(loss),
-                                               c10d::resolve_process_group(group));
+                                               PipelineOptions()
+                                                   .schedule(schedule)
+                                                   .num_microbatches(num_microbatches)
+                                                   .group(c10d::resolve_process_group(group)));
            }),
-           py::arg("schedule"),
            py::arg("stages"),
            py::arg("loss"),
+           py::arg("schedule"),
+           py::arg("num_microbatches"),
+           py::arg("group"))
+      .def(py::init([](std::vector<Stage> stages,
+                       LossFn loss,
+                       Schedule schedule,
+                       const std::string& group) {
+             return std::make_unique<Pipeline>(std::move(stages),
+                                               std::move(loss),
+                                               std::move(schedule),
+                                               c10d::resolve_process_group(group));
+           }),
+           py::arg("stages"),
+           py::arg("loss"),
+           py::arg("schedule"),
            py::arg("group"))
       // The autograd engine refuses to run under the GIL; the stage and loss callbacks take it
       // back while they run Python.
       .def("step",
-           &Executor::step,
+           &Pipeline::step,
            py::arg("inputs"),
            py::arg("targets"),
            py::call_guard<py::gil_scoped_release>())
       .def("eval_step",
-           &Executor::eval_step,
+           &Pipeline::eval_step,
            py::arg("inputs"),
            py::arg("targets"),
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("trace", &Executor::trace)
-      .def_property_readonly("schedule", &Executor::schedule);
-  m.def("split_microbatches", &split_microbatches, py::arg("batch"), py::arg("num_microbatches"));
+      .def_property_readonly("trace", &Pipeline::trace)
+      .def_property_readonly("schedule", &Pipeline::schedule);
 
   m.def("balanced_partition", &balanced_partition, py::arg("costs"), py::arg("num_stages"));
   m.def("schedule_names", &schedule_names);

@@ -5,6 +5,7 @@
 #include "torch_mp/mesh.h"                      // IWYU pragma: export
 #include "torch_mp/pipeline/executor.h"         // IWYU pragma: export
 #include "torch_mp/pipeline/partition.h"        // IWYU pragma: export
+#include "torch_mp/pipeline/pipeline.h"         // IWYU pragma: export
 #include "torch_mp/pipeline/schedule.h"         // IWYU pragma: export
 #include "torch_mp/pipeline/simulate.h"         // IWYU pragma: export
 #include "torch_mp/process_groups.h"            // IWYU pragma: export

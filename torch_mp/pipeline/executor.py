@@ -57,23 +57,23 @@ class Pipeline:
         modules = [stage_modules] if isinstance(stage_modules, nn.Module) else list(stage_modules)
         if group is None:
             group = (mesh or get_mesh()).pp_group
-        ranks = dist.get_world_size(group)
-        if isinstance(schedule, str):
-            if num_microbatches is None:
-                raise ValueError("Pipeline: num_microbatches is required with a schedule name")
-            schedule = make_schedule(schedule, ranks * len(modules), num_microbatches, len(modules))
+        if isinstance(schedule, str) and num_microbatches is None:
+            raise ValueError("Pipeline: num_microbatches is required with a schedule name")
         self.modules = modules
-        self.num_microbatches = schedule.num_microbatches
         self.loss_fn = loss_fn
         self.group = group
         stages = [
             _core.Stage(
-                lambda inputs, module=module: _as_list(module(*inputs)),
-                [p for p in module.parameters()],
+                lambda inputs, module=module: _as_list(module(*inputs)), list(module.parameters())
             )
             for module in modules
         ]
-        self._executor = _core.Executor(schedule, stages, self._loss, group.group_name)
+        if isinstance(schedule, str):
+            self._core = _core.Pipeline(
+                stages, self._loss, schedule, num_microbatches, group.group_name
+            )
+        else:
+            self._core = _core.Pipeline(stages, self._loss, schedule, group.group_name)
 
     def _loss(self, outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
         if self.loss_fn is None:
@@ -83,17 +83,13 @@ class Pipeline:
     @property
     def schedule(self) -> Schedule:
         """The schedule this pipeline runs."""
-        return self._executor.schedule
+        return self._core.schedule
 
     @property
     def trace(self):
         """This rank's actions in the last step with their wall-clock times in seconds: pass it
         to :func:`torch_mp.pipeline.render` or :func:`~torch_mp.pipeline.chrome_trace`."""
-        return _Trace(self._executor.trace)
-
-    def _split(self, tensors) -> list[list[torch.Tensor]]:
-        tensors = [t for t in tensors if t is not None]
-        return _core.split_microbatches(tensors, self.num_microbatches) if tensors else []
+        return _Trace(self._core.trace)
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None):
         """Runs forward and backward over all micro-batches, accumulating gradients.
@@ -103,7 +99,7 @@ class Pipeline:
             None elsewhere.
         """
         targets = [] if target is None else _as_list(target)
-        return self._executor.step(self._split(inputs), self._split(targets))
+        return self._core.step(list(inputs), targets)
 
     def eval_step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None):
         """Runs forward only (no autograd).
@@ -113,7 +109,7 @@ class Pipeline:
             ``(output, mean loss)`` when ``target`` is given. None elsewhere.
         """
         targets = [] if target is None else _as_list(target)
-        outputs, loss = self._executor.eval_step(self._split(inputs), self._split(targets))
+        outputs, loss = self._core.eval_step(list(inputs), targets)
         if not outputs:
             return None
         output = outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -1,0 +1,63 @@
+#pragma once
+// Pipeline: the front door of the pipeline engine, for C++ applications and (through the
+// bindings) for torch_mp.pipeline.Pipeline. Makes the schedule, cuts batches into micro-batches
+// and runs the Executor.
+
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torch_mp/pipeline/executor.h"
+
+namespace torch_mp::pipeline {
+
+/// Options of Pipeline.
+struct PipelineOptions {
+  /// A schedule name: "gpipe", "1f1b", "interleaved_1f1b", "zb_h1".
+  TORCH_ARG(std::string, schedule) = "1f1b";
+  /// Micro-batches per step; batch sizes must be divisible by it.
+  TORCH_ARG(int64_t, num_microbatches) = 1;
+  /// The pipeline group; the default mesh's pp_group when null.
+  TORCH_ARG(GroupPtr, group) = {};
+};
+
+/// A stage made of a torch::nn::Sequential (one tensor in, one tensor out).
+Stage stage_of(torch::nn::Sequential module);
+
+/// Pipeline-parallel training of this rank's stages.
+///
+/// Every rank of the pipeline group builds one with its own stages (rank r of p holds stages
+/// r, r + p, ... in increasing order) and calls `step` together: the rank holding the first stage
+/// passes the batch, the rank holding the last stage the targets. Gradients accumulate into the
+/// stages' parameters and equal those of the unpipelined model with the loss averaged over the
+/// batch.
+class Pipeline {
+ public:
+  /// Generates the schedule named in `options` for group size x stages.size() stages.
+  Pipeline(std::vector<Stage> stages, LossFn loss, PipelineOptions options = {});
+  /// Runs a given schedule (e.g. one read from a file) over `group` (default mesh's when null).
+  Pipeline(std::vector<Stage> stages, LossFn loss, Schedule schedule, GroupPtr group = {});
+
+  /// One training step. Returns the mean micro-batch loss on the last stage's rank.
+  std::optional<at::Tensor> step(const std::vector<at::Tensor>& inputs = {},
+                                 const std::vector<at::Tensor>& targets = {});
+  /// Forward only: on the last stage's rank, the outputs (micro-batches concatenated) and the
+  /// mean loss if `targets` are given.
+  std::pair<std::vector<at::Tensor>, std::optional<at::Tensor>> eval_step(
+      const std::vector<at::Tensor>& inputs = {}, const std::vector<at::Tensor>& targets = {});
+
+  /// The schedule being run.
+  const Schedule& schedule() const { return executor_->schedule(); }
+  /// This rank's actions in the last step, with wall-clock times in seconds.
+  const std::vector<TimedAction>& trace() const { return executor_->trace(); }
+
+ private:
+  std::vector<std::vector<at::Tensor>> split(const std::vector<at::Tensor>& batch) const;
+  std::unique_ptr<Executor> executor_;
+};
+
+}  // namespace torch_mp::pipeline
