@@ -11,7 +11,6 @@ from torch import nn
 from torch_mp._C import pipeline as _core
 from torch_mp.mesh import Mesh, get_mesh
 from torch_mp.pipeline.schedule import Schedule
-from torch_mp.pipeline.schedule import schedule as make_schedule
 
 
 def _as_list(value) -> list[torch.Tensor]:
