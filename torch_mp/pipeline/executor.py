@@ -17,6 +17,11 @@ def _as_list(value) -> list[torch.Tensor]:
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
+def _present(values) -> list[torch.Tensor]:
+    """The tensors given, flattening tuples; None (a rank without that stage) gives nothing."""
+    return [t for v in values if v is not None for t in _as_list(v)]
+
+
 class Pipeline:
     """Pipeline-parallel training of this rank's stage(s).
 
@@ -97,8 +102,7 @@ class Pipeline:
             The mean micro-batch loss (a detached scalar) on the rank holding the last stage,
             None elsewhere.
         """
-        targets = [] if target is None else _as_list(target)
-        return self._core.step(list(inputs), targets)
+        return self._core.step(_present(inputs), _present([target]))
 
     def eval_step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None):
         """Runs forward only (no autograd).
@@ -107,8 +111,7 @@ class Pipeline:
             On the rank holding the last stage: the output (micro-batches concatenated), or
             ``(output, mean loss)`` when ``target`` is given. None elsewhere.
         """
-        targets = [] if target is None else _as_list(target)
-        outputs, loss = self._core.eval_step(list(inputs), targets)
+        outputs, loss = self._core.eval_step(_present(inputs), _present([target]))
         if not outputs:
             return None
         output = outputs[0] if len(outputs) == 1 else tuple(outputs)
