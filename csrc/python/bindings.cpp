@@ -24,6 +24,11 @@ void bind_pipeline(py::module_& parent);  // pipeline_bindings.cpp
 
 namespace {
 
+// Everything that communicates waits without the GIL: c10d's worker threads may need it (to free
+// tensors that Python owns) before the collective can finish, and would deadlock against a
+// caller that held it.
+using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+
 torch_mp::GroupPtr resolve(const std::string& group_name) {
   return c10d::resolve_process_group(group_name);
 }
@@ -35,7 +40,8 @@ void def_collective(py::module_& m, const char* name, Fn op) {
       name,
       [op](const at::Tensor& x, const std::string& group) { return op(x, resolve(group)); },
       py::arg("x"),
-      py::arg("group"));
+      py::arg("group"),
+      ReleaseGil());
 }
 
 template <typename Fn>
@@ -47,7 +53,8 @@ void def_collective_along(py::module_& m, const char* name, Fn op) {
       },
       py::arg("x"),
       py::arg("group"),
-      py::arg("dim"));
+      py::arg("dim"),
+      ReleaseGil());
 }
 
 }  // namespace
@@ -87,7 +94,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("values"),
       py::arg("group"),
-      py::arg("what"));
+      py::arg("what"),
+      ReleaseGil());
 
   // ---- autograd collectives ----
   def_collective(m, "copy_to_tp", &torch_mp::copy_to_tp);
@@ -105,7 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("full"),
       py::arg("dim"),
-      py::arg("group"));
+      py::arg("group"),
+      ReleaseGil());
   m.def(
       "unshard",
       [](const at::Tensor& local, int64_t dim, const std::string& group) {
@@ -113,7 +122,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("local"),
       py::arg("dim"),
-      py::arg("group"));
+      py::arg("group"),
+      ReleaseGil());
   m.def("divide", &tp::divide, py::arg("size"), py::arg("parts"), py::arg("what"));
 
   // ---- parallel linear ----
@@ -135,7 +145,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("out_features"),
       py::arg("gather_output"),
       py::arg("sequence_parallel"),
-      py::arg("group"));
+      py::arg("group"),
+      ReleaseGil());
   m.def(
       "row_parallel_linear",
       [](const at::Tensor& input,
@@ -154,7 +165,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("in_features"),
       py::arg("input_is_parallel"),
       py::arg("sequence_parallel"),
-      py::arg("group"));
+      py::arg("group"),
+      ReleaseGil());
   m.def(
       "check_column_parallel_linear",
       [](int64_t in_features,
@@ -171,7 +183,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("bias"),
       py::arg("gather_output"),
       py::arg("sequence_parallel"),
-      py::arg("group"));
+      py::arg("group"),
+      ReleaseGil());
   m.def(
       "check_row_parallel_linear",
       [](int64_t in_features,
@@ -188,7 +201,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("bias"),
       py::arg("input_is_parallel"),
       py::arg("sequence_parallel"),
-      py::arg("group"));
+      py::arg("group"),
+      ReleaseGil());
   m.def(
       "init_parallel_linear_",
       [](at::Tensor weight,
@@ -205,5 +219,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("in_features"),
       py::arg("out_features"),
       py::arg("shard_dim"),
-      py::arg("group"));
+      py::arg("group"),
+      ReleaseGil());
 }

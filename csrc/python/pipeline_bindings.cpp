@@ -105,7 +105,8 @@ void bind_pipeline(py::module_& parent) {
            py::arg("loss"),
            py::arg("schedule"),
            py::arg("num_microbatches"),
-           py::arg("group"))
+           py::arg("group"),
+           py::call_guard<py::gil_scoped_release>())
       .def(py::init([](std::vector<Stage> stages,
                        LossFn loss,
                        Schedule schedule,
@@ -118,9 +119,10 @@ void bind_pipeline(py::module_& parent) {
            py::arg("stages"),
            py::arg("loss"),
            py::arg("schedule"),
-           py::arg("group"))
-      // The autograd engine refuses to run under the GIL; the stage and loss callbacks take it
-      // back while they run Python.
+           py::arg("group"),
+           py::call_guard<py::gil_scoped_release>())
+      // Construction communicates and the autograd engine refuses to run under the GIL, so both
+      // release it; the stage and loss callbacks take it back while they run Python.
       .def("step",
            &Pipeline::step,
            py::arg("inputs"),

@@ -90,3 +90,18 @@ def _no_mesh() -> str | None:
 def test_group_none_without_init_raises(world2):
     for message in world2.run(_no_mesh):
         assert message is not None and "torch_mp.init()" in message
+
+
+def _collectives_interleaved_with_python_collectives() -> None:
+    group = use_mesh(dist.get_world_size()).tp_group
+    for _ in range(30):
+        x = torch.ones(64, requires_grad=True)
+        F.copy_to_tp(F.reduce_from_tp(x, group), group).sum().backward()
+        # A Python-side collective on the same group frees tensors Python owns on c10d's worker
+        # threads; torch_mp must not hold the GIL while it waits, or the two deadlock.
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, list(range(2000)), group=group)
+
+
+def test_collectives_release_the_gil_while_they_wait(world4):
+    world4.run(_collectives_interleaved_with_python_collectives)

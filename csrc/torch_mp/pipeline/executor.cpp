@@ -133,7 +133,7 @@ void Executor::forward(const Action& a,
                 "Pipeline: rank ",
                 rank_,
                 " holds the first stage and must be given the inputs");
-    slot.inputs = inputs[m];
+    slot.inputs = as_stage_inputs(inputs[m], /*train=*/false);  // the batch gets no gradient
   } else if (schedule_.rank_of_stage(s - 1) == rank_) {
     slot.inputs = as_stage_inputs(slots_.at({s - 1, m}).outputs, train);
   }
@@ -214,7 +214,9 @@ void Executor::backward(const Action& a, Slot& slot) {
     }
   }
   std::vector<at::Tensor> computed(slot.inputs.size());
-  if (a.kind == ActionKind::kFullBackward) {
+  // Without input gradients to produce (the first stage), a split B has nothing of its own to
+  // do and W would walk the whole graph; running the whole backward at B leaves W nothing.
+  if (a.kind == ActionKind::kFullBackward || leaves.empty()) {
     if (!outs.empty()) {
       torch::autograd::backward(outs, out_grads);
     }

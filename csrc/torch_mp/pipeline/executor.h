@@ -30,6 +30,12 @@ using LossFn =
 /// Forward keeps what backward needs; sends are asynchronous and waited for at the end of the
 /// step; each micro-batch's loss is divided by the number of micro-batches, so the accumulated
 /// parameter gradients equal those of the whole batch's mean loss.
+///
+/// Split backward: B is autograd.grad over the stage's inputs (the graph kept), W is
+/// autograd.backward restricted to the stage's parameters. W therefore re-walks the part of the
+/// graph between the outputs and the parameters that B also walked; on the first stage, which
+/// has no input gradient to produce, B runs the whole backward and W is empty. The batch given
+/// to the first stage receives no gradient.
 class Executor {
  public:
   /// `stages` are this rank's stages in increasing stage order (stages r, r + p, r + 2p, ...).
