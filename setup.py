@@ -7,6 +7,7 @@ drives it to produce torch_mp._C. Torch must already be installed, so install wi
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ class CMakeBuild(build_ext):
             "-DTORCH_MP_BUILD_TESTS=OFF",
             "-DTORCH_MP_BUILD_EXAMPLES=OFF",
         ]
-        if subprocess.run(["ninja", "--version"], capture_output=True).returncode == 0:
+        if shutil.which("ninja"):
             configure += ["-G", "Ninja"]
         subprocess.check_call(configure)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))

@@ -96,8 +96,9 @@ def init(
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if backend == "nccl" and local_rank < torch.cuda.device_count():
+            torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.group.WORLD
     # Agree on the request before acting on it, so that ranks that asked for different meshes

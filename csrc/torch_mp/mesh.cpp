@@ -138,7 +138,8 @@ std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
                                 const InitOptions& options) {
   auto mesh = std::make_shared<Mesh>();
   mesh->rank = rank;
-  const Backend backend = options.backend().value_or(default_backend(torch::cuda::is_available()));
+  // Creating NCCL groups from C++ is not built yet, so Gloo is the default here for now.
+  const Backend backend = options.backend().value_or(Backend::kGloo);
   mesh->world = new_process_group(c10::make_intrusive<c10d::PrefixStore>("torch_mp/world", store),
                                   static_cast<int>(rank),
                                   static_cast<int>(world_size),

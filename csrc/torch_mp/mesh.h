@@ -66,7 +66,7 @@ struct InitOptions {
   TORCH_ARG(int64_t, pp) = 1;
   /// Data-parallel size; inferred from the world size when unset.
   TORCH_ARG(std::optional<int64_t>, dp) = std::nullopt;
-  /// Backend; NCCL when CUDA is available, Gloo otherwise, when unset.
+  /// Backend; Gloo when unset (creating NCCL groups from C++ is not built yet).
   TORCH_ARG(std::optional<Backend>, backend) = std::nullopt;
   /// Timeout of every collective on the mesh's groups.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);

@@ -29,7 +29,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
 
-    mesh = torch_mp.init(tp=int(os.environ.get("WORLD_SIZE", "1")), timeout=60)
+    mesh = torch_mp.init(tp=int(os.environ.get("WORLD_SIZE", "1")), backend="gloo", timeout=60)
     rank = dist.get_rank()
 
     torch.manual_seed(0)  # the same dense model and data on every rank

@@ -163,3 +163,46 @@ def test_contradictory_sequence_parallel_options_raise(world2):
     for column, row in world2.run(_sequence_parallel_options):
         assert "gather_output and sequence_parallel" in column
         assert "sequence_parallel needs input_is_parallel" in row
+
+
+def _sequence_parallel_mlp_matches_dense() -> None:
+    """[s, b, h] input split along the sequence: Column(SP) -> GELU -> Row(SP) equals the dense
+    MLP on this rank's rows, input and every parameter gradient included (the replicated row
+    bias too: each rank adds it to its own rows only)."""
+    mesh = use_mesh(dist.get_world_size())
+    t, r = mesh.tp_size, mesh.tp_rank
+    seq, batch = 4 * t, 3
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(IN, HIDDEN), nn.Linear(HIDDEN, OUT)
+    x, g = rank_tensor(1, 0, seq, batch, IN), rank_tensor(2, 0, seq, batch, OUT)
+    x_ref = x.clone().requires_grad_()
+    fc2(nn.functional.gelu(fc1(x_ref))).backward(g)
+
+    col = torch_mp.ColumnParallelLinear.from_dense(fc1, sequence_parallel=True)
+    row = torch_mp.RowParallelLinear.from_dense(fc2, sequence_parallel=True)
+    x_mine = x.chunk(t, 0)[r].clone().requires_grad_()
+    y = row(nn.functional.gelu(col(x_mine)))
+    y.backward(g.chunk(t, 0)[r])
+
+    with torch.no_grad():
+        expected = fc2(nn.functional.gelu(fc1(x)))
+    assert_close(y, expected.chunk(t, 0)[r], "output rows")
+    assert_close(x_mine.grad, x_ref.grad.chunk(t, 0)[r], "input gradient rows")
+    assert_close(col.weight.grad, fc1.weight.grad.chunk(t, 0)[r], "column weight gradient")
+    assert_close(col.bias.grad, fc1.bias.grad.chunk(t, 0)[r], "column bias gradient")
+    assert_close(row.weight.grad, fc2.weight.grad.chunk(t, 1)[r], "row weight gradient")
+    assert_close(row.bias.grad, fc2.bias.grad, "row bias gradient")
+
+
+def test_sequence_parallel_mlp_matches_dense(world):
+    world.run(_sequence_parallel_mlp_matches_dense)
+
+
+def _indivisible_on_one_rank_only() -> str | None:
+    use_mesh(dist.get_world_size())
+    return error_of(torch_mp.ColumnParallelLinear, 8, 6 if dist.get_rank() == 0 else 8)
+
+
+def test_a_size_invalid_on_one_rank_only_raises_on_every_rank(world4):
+    for message in world4.run(_indivisible_on_one_rank_only):
+        assert message is not None and "must be the same on every rank" in message

@@ -22,7 +22,9 @@ def _model(num_stages: int) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(num_stages)]
 
 
-def _step_matches_reference(name: str, stages_per_rank: int, microbatches_per_rank: int) -> None:
+def _step_matches_reference(
+    name: str, stages_per_rank: int, microbatches_per_rank: int, steps: int = 1
+) -> None:
     p, rank = dist.get_world_size(), dist.get_rank()
     mesh = use_mesh(1, pp=p)
     stages = _model(p * stages_per_rank)
@@ -35,7 +37,11 @@ def _step_matches_reference(name: str, stages_per_rank: int, microbatches_per_ra
     mine = stages[rank::p]
     pipe = pipeline.Pipeline(mine, name, m, loss_fn=nn.functional.mse_loss, mesh=mesh)
     # Ranks without the first stage pass None (or nothing at all, as the other tests do).
-    loss = pipe.step(x if rank == 0 else None, target=y if rank == p - 1 else None)
+    for _ in range(steps):  # gradients accumulate over steps, as in the reference's
+        loss = pipe.step(x if rank == 0 else None, target=y if rank == p - 1 else None)
+    if steps > 1:
+        for param in reference.parameters():
+            param.grad *= steps
 
     if rank == p - 1:
         assert_close(loss, expected_loss.detach(), "loss")
@@ -56,6 +62,11 @@ def _step_matches_reference(name: str, stages_per_rank: int, microbatches_per_ra
 def test_step_matches_one_process_reference(name, stages_per_rank, world_size, request):
     world = request.getfixturevalue(f"world{world_size}")
     world.run(_step_matches_reference, name, stages_per_rank, 2)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_gradients_accumulate_over_steps(name, world2):
+    world2.run(_step_matches_reference, name, 1, 2, 2)
 
 
 class _Split(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,6 +16,12 @@ from torch_mp.pipeline.schedule import Schedule
 
 def _as_list(value) -> list[torch.Tensor]:
     return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _call_loss(loss_fn, outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
+    if loss_fn is None:
+        raise RuntimeError("Pipeline: the last stage needs a loss_fn")
+    return loss_fn(*outputs, *targets)
 
 
 def _present(values) -> list[torch.Tensor]:
@@ -59,10 +66,17 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         modules = [stage_modules] if isinstance(stage_modules, nn.Module) else list(stage_modules)
+        if mesh is not None and group is not None:
+            raise ValueError("Pipeline: pass mesh= or group=, not both")
         if group is None:
             group = (mesh or get_mesh()).pp_group
         if isinstance(schedule, str) and num_microbatches is None:
             raise ValueError("Pipeline: num_microbatches is required with a schedule name")
+        given = None if isinstance(schedule, str) else schedule.num_microbatches
+        if given is not None and num_microbatches not in (None, given):
+            raise ValueError(
+                f"Pipeline: num_microbatches={num_microbatches} contradicts the schedule's {given}"
+            )
         self.modules = modules
         self.loss_fn = loss_fn
         self.group = group
@@ -72,17 +86,12 @@ class Pipeline:
             )
             for module in modules
         ]
+        # The C++ object must not refer back to self: Python's collector cannot see that cycle.
+        loss = functools.partial(_call_loss, loss_fn)
         if isinstance(schedule, str):
-            self._core = _core.Pipeline(
-                stages, self._loss, schedule, num_microbatches, group.group_name
-            )
+            self._core = _core.Pipeline(stages, loss, schedule, num_microbatches, group.group_name)
         else:
-            self._core = _core.Pipeline(stages, self._loss, schedule, group.group_name)
-
-    def _loss(self, outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-        if self.loss_fn is None:
-            raise RuntimeError("Pipeline: the last stage needs a loss_fn")
-        return self.loss_fn(*outputs, *targets)
+            self._core = _core.Pipeline(stages, loss, schedule, group.group_name)
 
     @property
     def schedule(self) -> Schedule:

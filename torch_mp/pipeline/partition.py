@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -68,10 +69,11 @@ def partition(
 
 
 def _profile(layers: list[nn.Module], sample_input: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Median forward + backward time of each layer, fed with the previous layer's output."""
+    """Median forward + backward time of each layer, fed with the previous layer's output.
+    Copies of the layers are timed, so the model's gradients are left alone."""
     costs = []
     x = sample_input
-    for layer in layers:
+    for layer in map(copy.deepcopy, layers):
         times = []
         for _ in range(repeats):
             inp = x.detach().requires_grad_(x.is_floating_point())
@@ -82,7 +84,6 @@ def _profile(layers: list[nn.Module], sample_input: torch.Tensor, repeats: int =
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
             times.append(time.perf_counter() - begin)
-        layer.zero_grad(set_to_none=True)
         costs.append(sorted(times)[len(times) // 2])
         x = out.detach()
     return costs

@@ -105,13 +105,11 @@ class _ParallelLinear(nn.Module):
 
     def to_dense(self) -> nn.Linear:
         """Gathers the shards into a dense ``nn.Linear`` on every rank (a collective)."""
+        # Built on the meta device (drawing no random numbers), then given real storage.
         dense = nn.Linear(
-            self.in_features,
-            self.out_features,
-            bias=self.bias is not None,
-            device=self.weight.device,
-            dtype=self.weight.dtype,
-        )
+            self.in_features, self.out_features, bias=self.bias is not None, device="meta"
+        ).to_empty(device=self.weight.device)
+        dense.to(dtype=self.weight.dtype)
         with torch.no_grad():
             dense.weight.copy_(_C.unshard(self.weight, self._SHARD_DIM, self._group_name))
             if self.bias is not None:

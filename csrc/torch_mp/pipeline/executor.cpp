@@ -81,6 +81,19 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
       group_(std::move(group)) {
   TORCH_CHECK(group_, "Pipeline: no pipeline process group");
   rank_ = group_->getRank();
+  // Agreement first, so that a local check failing on one rank cannot strand the others.
+  const auto text_hash = static_cast<int64_t>(std::hash<std::string>{}(schedule_.to_string()) >> 1);
+  comm::check_same_across_ranks(
+      {text_hash,
+       schedule_.num_stages,
+       schedule_.num_microbatches,
+       static_cast<int64_t>(stages_.size())},
+      group_,
+      "the pipeline [schedule text hash, num_stages, num_microbatches, stage modules per rank]");
+  // Sends and receives are posted one tensor at a time and may cross between two ranks: fine
+  // for Gloo, but NCCL needs them grouped, which is not built yet.
+  TORCH_CHECK(group_->getBackendType() != c10d::ProcessGroup::BackendType::NCCL,
+              "Pipeline: NCCL pipeline groups are not supported yet; use a Gloo group");
   TORCH_CHECK(schedule_.num_ranks() == group_->getSize(),
               "Pipeline: the schedule is for ",
               schedule_.num_ranks(),
@@ -95,10 +108,6 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
               schedule_.stages_per_rank,
               " stage(s) on each rank");
   simulate(schedule_);  // raises, naming rank, step and action, if the schedule cannot run
-  const auto text_hash = static_cast<int64_t>(std::hash<std::string>{}(schedule_.to_string()) >> 1);
-  comm::check_same_across_ranks({text_hash, schedule_.num_stages, schedule_.num_microbatches},
-                                group_,
-                                "the pipeline schedule [text hash, num_stages, num_microbatches]");
   for (const auto& stage : stages_) {
     if (!stage.parameters.empty()) {
       device_ = stage.parameters[0].device();
@@ -268,10 +277,15 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
                                         const std::vector<std::vector<at::Tensor>>& targets,
                                         bool train,
                                         std::vector<std::vector<at::Tensor>>* outputs) {
+  TORCH_CHECK(!broken_,
+              "Pipeline: an earlier step failed part-way on rank ",
+              rank_,
+              "; its peers' messages may still be in flight, so build a new Pipeline");
   slots_.clear();
   losses_.clear();
   trace_.clear();
   pending_sends_.clear();
+  broken_ = true;  // until this step completes
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
@@ -302,6 +316,9 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
                          tag(a.kind, a.stage, a.microbatch),
                          group_);
         pending_sends_.insert(pending_sends_.end(), works.begin(), works.end());
+        if (!fwd) {
+          slot.input_grads.clear();  // the pending work holds what it still needs
+        }
         break;
       }
       case ActionKind::kForward:
@@ -316,12 +333,15 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
         break;
     }
     trace_.push_back({rank_, a, began, seconds()});
+    // Let finished sends go, so that their tensors are freed as the schedule intends.
+    std::erase_if(pending_sends_, [](const auto& work) { return work->isCompleted(); });
   }
   for (auto& work : pending_sends_) {
     work->wait();
   }
   pending_sends_.clear();
   slots_.clear();
+  broken_ = false;
   if (losses_.empty()) {
     return std::nullopt;
   }

@@ -95,6 +95,7 @@ class Executor {
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends_;
   std::vector<at::Tensor> losses_;
   std::vector<TimedAction> trace_;
+  bool broken_ = false;  // a step raised part-way; the message streams are out of step
 };
 
 /// Splits each tensor of `batch` along dim 0 into `num_microbatches` equal micro-batches:

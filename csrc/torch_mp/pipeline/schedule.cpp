@@ -41,7 +41,7 @@ RankActions gpipe(int64_t ranks, int64_t m) {
 // Interleaved 1F1B over `chunks` stages per rank (plain 1F1B when chunks == 1). Rank r runs a
 // warm-up of forwards, then alternates one forward with one backward, then drains backwards:
 //
-//   rank 0 of 2, m = 4:  F0 F1 | F2 B0 F3 B1 | B2 B3      (warm-up p - r - 1 = 1 for 1F1B)
+//   rank 0 of 2, m = 4:  F0 | F1 B0 F2 B1 F3 B2 | B3      (warm-up p - r - 1 = 1 for 1F1B)
 //
 // With chunks v > 1, the k-th forward of a rank is micro-batch (k / (p v)) p + k % p on its
 // chunk (k % (p v)) / p, i.e. groups of p micro-batches visit the rank's chunks in turn;

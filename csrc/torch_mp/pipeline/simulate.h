@@ -42,7 +42,8 @@ struct SimulationResult {
   /// Per rank, computing time.
   std::vector<double> busy;
   /// Per rank, the most micro-batches whose activations were held at once (F done, B or BW not
-  /// yet), summed over the rank's stages.
+  /// yet), summed over the rank's stages. A micro-batch between its B and its W still holds what
+  /// its weight gradient needs (in torch_mp's executor, the stage's graph); that is not counted.
   std::vector<int64_t> peak_live_microbatches;
   /// Every action with its start and end, rank by rank in schedule order.
   std::vector<TimedAction> timeline;

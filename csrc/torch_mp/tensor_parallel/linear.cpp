@@ -64,7 +64,12 @@ at::Tensor row_parallel_linear(const at::Tensor& input,
   const at::Tensor partial = at::linear(x, weight);
   const at::Tensor y =
       sequence_parallel ? reduce_scatter_to_sp(partial, group, 0) : reduce_from_tp(partial, group);
-  return bias && bias->defined() ? y + *bias : y;
+  if (!bias || !bias->defined()) {
+    return y;
+  }
+  // Under sequence parallelism each rank adds the bias to its own rows only; copy_to_tp sums
+  // the bias gradient over the group, so every rank holds the gradient of all rows.
+  return y + (sequence_parallel ? copy_to_tp(*bias, group) : *bias);
 }
 
 void check_column_parallel_linear(int64_t in_features,
@@ -73,15 +78,16 @@ void check_column_parallel_linear(int64_t in_features,
                                   bool gather_output,
                                   bool sequence_parallel,
                                   const GroupPtr& group) {
-  divide(out_features, group->getSize(), "ColumnParallelLinear: out_features");
-  TORCH_CHECK(!(gather_output && sequence_parallel),
-              "ColumnParallelLinear: gather_output and sequence_parallel cannot both be set "
-              "(a sequence-parallel layer hands its split output to a RowParallelLinear)");
+  // Agreement first: a check that fails on one rank only would leave the others waiting.
   comm::check_same_across_ranks(
       {in_features, out_features, bias, gather_output, sequence_parallel},
       group,
       "ColumnParallelLinear configuration [in_features, out_features, bias, gather_output, "
       "sequence_parallel]");
+  divide(out_features, group->getSize(), "ColumnParallelLinear: out_features");
+  TORCH_CHECK(!(gather_output && sequence_parallel),
+              "ColumnParallelLinear: gather_output and sequence_parallel cannot both be set "
+              "(a sequence-parallel layer hands its split output to a RowParallelLinear)");
 }
 
 void check_row_parallel_linear(int64_t in_features,
@@ -90,14 +96,15 @@ void check_row_parallel_linear(int64_t in_features,
                                bool input_is_parallel,
                                bool sequence_parallel,
                                const GroupPtr& group) {
-  divide(in_features, group->getSize(), "RowParallelLinear: in_features");
-  TORCH_CHECK(input_is_parallel || !sequence_parallel,
-              "RowParallelLinear: sequence_parallel needs input_is_parallel=True");
+  // Agreement first: a check that fails on one rank only would leave the others waiting.
   comm::check_same_across_ranks(
       {in_features, out_features, bias, input_is_parallel, sequence_parallel},
       group,
       "RowParallelLinear configuration [in_features, out_features, bias, input_is_parallel, "
       "sequence_parallel]");
+  divide(in_features, group->getSize(), "RowParallelLinear: in_features");
+  TORCH_CHECK(input_is_parallel || !sequence_parallel,
+              "RowParallelLinear: sequence_parallel needs input_is_parallel=True");
 }
 
 void init_parallel_linear_(at::Tensor& weight,
@@ -194,6 +201,7 @@ ColumnParallelLinear ColumnParallelLinearImpl::from_dense(const torch::nn::Linea
 torch::nn::Linear ColumnParallelLinearImpl::to_dense() const {
   torch::nn::Linear dense(
       torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
+  dense->to(weight.device(), weight.scalar_type());
   at::NoGradGuard no_grad;
   dense->weight.copy_(unshard(weight, 0, options.group()));
   if (options.bias()) {
@@ -276,6 +284,7 @@ RowParallelLinear RowParallelLinearImpl::from_dense(const torch::nn::Linear& den
 torch::nn::Linear RowParallelLinearImpl::to_dense() const {
   torch::nn::Linear dense(
       torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
+  dense->to(weight.device(), weight.scalar_type());
   at::NoGradGuard no_grad;
   dense->weight.copy_(unshard(weight, 1, options.group()));
   if (options.bias()) {
