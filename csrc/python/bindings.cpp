@@ -107,21 +107,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // ---- sharding ----
   m.def(
-      "shard",
-      [](const at::Tensor& full, int64_t dim, const std::string& group) {
-        return tp::shard(full, dim, resolve(group));
+      "load_dense_linear_",
+      [](at::Tensor weight,
+         std::optional<at::Tensor> bias,
+         const at::Tensor& dense_weight,
+         const std::optional<at::Tensor>& dense_bias,
+         int64_t shard_dim,
+         const std::string& group) {
+        tp::load_dense_linear_(weight, bias, dense_weight, dense_bias, shard_dim, resolve(group));
       },
-      py::arg("full"),
-      py::arg("dim"),
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("dense_weight"),
+      py::arg("dense_bias"),
+      py::arg("shard_dim"),
       py::arg("group"),
       ReleaseGil());
   m.def(
-      "unshard",
-      [](const at::Tensor& local, int64_t dim, const std::string& group) {
-        return tp::unshard(local, dim, resolve(group));
+      "gather_dense_linear",
+      [](const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias,
+         int64_t shard_dim,
+         const std::string& group) {
+        return tp::gather_dense_linear(weight, bias, shard_dim, resolve(group));
       },
-      py::arg("local"),
-      py::arg("dim"),
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("shard_dim"),
       py::arg("group"),
       ReleaseGil());
   m.def("divide", &tp::divide, py::arg("size"), py::arg("parts"), py::arg("what"));

@@ -94,13 +94,14 @@ class _ParallelLinear(nn.Module):
         )
         layer.to_empty(device=linear.weight.device)
         layer.to(dtype=linear.weight.dtype)
-        with torch.no_grad():
-            layer.weight.copy_(_C.shard(linear.weight, layer._SHARD_DIM, layer._group_name))
-            if linear.bias is not None:
-                bias = linear.bias
-                if layer._SHARD_DIM == 0:
-                    bias = _C.shard(bias, 0, layer._group_name)
-                layer.bias.copy_(bias)
+        _C.load_dense_linear_(
+            layer.weight,
+            layer.bias,
+            linear.weight,
+            linear.bias,
+            layer._SHARD_DIM,
+            layer._group_name,
+        )
         return layer
 
     def to_dense(self) -> nn.Linear:
@@ -110,12 +111,12 @@ class _ParallelLinear(nn.Module):
             self.in_features, self.out_features, bias=self.bias is not None, device="meta"
         ).to_empty(device=self.weight.device)
         dense.to(dtype=self.weight.dtype)
+        weight, bias = _C.gather_dense_linear(
+            self.weight, self.bias, self._SHARD_DIM, self._group_name
+        )
         with torch.no_grad():
-            dense.weight.copy_(_C.unshard(self.weight, self._SHARD_DIM, self._group_name))
-            if self.bias is not None:
-                bias = self.bias
-                if self._SHARD_DIM == 0:
-                    bias = _C.unshard(bias, 0, self._group_name)
+            dense.weight.copy_(weight)
+            if bias is not None:
                 dense.bias.copy_(bias)
         return dense
 

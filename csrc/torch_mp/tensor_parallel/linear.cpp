@@ -117,12 +117,38 @@ void init_parallel_linear_(at::Tensor& weight,
   // Draw the dense tensors in nn.Linear's order from the default generator, then keep our shard.
   auto full_weight = at::empty({out_features, in_features}, weight.options());
   torch::nn::init::kaiming_uniform_(full_weight, std::sqrt(5.0));
-  weight.copy_(shard(full_weight, shard_dim, group));
+  std::optional<at::Tensor> full_bias;
   if (bias && bias->defined()) {
     const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
-    auto full_bias = at::empty({out_features}, bias->options()).uniform_(-bound, bound);
-    bias->copy_(shard_dim == 0 ? shard(full_bias, 0, group) : full_bias);
+    full_bias = at::empty({out_features}, bias->options()).uniform_(-bound, bound);
   }
+  load_dense_linear_(weight, bias, full_weight, full_bias, shard_dim, group);
+}
+
+void load_dense_linear_(at::Tensor& weight,
+                        std::optional<at::Tensor> bias,
+                        const at::Tensor& dense_weight,
+                        const std::optional<at::Tensor>& dense_bias,
+                        int64_t shard_dim,
+                        const GroupPtr& group) {
+  at::NoGradGuard no_grad;
+  weight.copy_(shard(dense_weight, shard_dim, group));
+  if (bias && bias->defined()) {
+    TORCH_CHECK(dense_bias && dense_bias->defined(), "torch_mp: the dense layer has no bias");
+    bias->copy_(shard_dim == 0 ? shard(*dense_bias, 0, group) : *dense_bias);
+  }
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_linear(
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    int64_t shard_dim,
+    const GroupPtr& group) {
+  std::optional<at::Tensor> dense_bias;
+  if (bias && bias->defined()) {
+    dense_bias = shard_dim == 0 ? unshard(*bias, 0, group) : bias->detach().clone();
+  }
+  return {unshard(weight, shard_dim, group), dense_bias};
 }
 
 // ---- ColumnParallelLinear --------------------------------------------------------------------
@@ -190,11 +216,8 @@ ColumnParallelLinear ColumnParallelLinearImpl::from_dense(const torch::nn::Linea
       "out_features and bias");
   ColumnParallelLinear layer(std::shared_ptr<ColumnParallelLinearImpl>(
       new ColumnParallelLinearImpl(std::move(options), /*initialise=*/false)));
-  at::NoGradGuard no_grad;
-  layer->weight.copy_(shard(dense->weight, 0, layer->options.group()));
-  if (layer->options.bias()) {
-    layer->bias.copy_(shard(dense->bias, 0, layer->options.group()));
-  }
+  load_dense_linear_(
+      layer->weight, layer->bias, dense->weight, dense->bias, 0, layer->options.group());
   return layer;
 }
 
@@ -202,10 +225,12 @@ torch::nn::Linear ColumnParallelLinearImpl::to_dense() const {
   torch::nn::Linear dense(
       torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
   dense->to(weight.device(), weight.scalar_type());
+  const auto [dense_weight, dense_bias] = gather_dense_linear(
+      weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, 0, options.group());
   at::NoGradGuard no_grad;
-  dense->weight.copy_(unshard(weight, 0, options.group()));
-  if (options.bias()) {
-    dense->bias.copy_(unshard(bias, 0, options.group()));
+  dense->weight.copy_(dense_weight);
+  if (dense_bias) {
+    dense->bias.copy_(*dense_bias);
   }
   return dense;
 }
@@ -273,11 +298,8 @@ RowParallelLinear RowParallelLinearImpl::from_dense(const torch::nn::Linear& den
               "out_features and bias");
   RowParallelLinear layer(std::shared_ptr<RowParallelLinearImpl>(
       new RowParallelLinearImpl(std::move(options), /*initialise=*/false)));
-  at::NoGradGuard no_grad;
-  layer->weight.copy_(shard(dense->weight, 1, layer->options.group()));
-  if (layer->options.bias()) {
-    layer->bias.copy_(dense->bias);
-  }
+  load_dense_linear_(
+      layer->weight, layer->bias, dense->weight, dense->bias, 1, layer->options.group());
   return layer;
 }
 
@@ -285,10 +307,12 @@ torch::nn::Linear RowParallelLinearImpl::to_dense() const {
   torch::nn::Linear dense(
       torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
   dense->to(weight.device(), weight.scalar_type());
+  const auto [dense_weight, dense_bias] = gather_dense_linear(
+      weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, 1, options.group());
   at::NoGradGuard no_grad;
-  dense->weight.copy_(unshard(weight, 1, options.group()));
-  if (options.bias()) {
-    dense->bias.copy_(bias);
+  dense->weight.copy_(dense_weight);
+  if (dense_bias) {
+    dense->bias.copy_(*dense_bias);
   }
   return dense;
 }

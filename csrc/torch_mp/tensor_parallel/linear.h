@@ -82,6 +82,24 @@ void init_parallel_linear_(at::Tensor& weight,
                            int64_t shard_dim,
                            const GroupPtr& group);
 
+/// Copies this rank's shard of a dense Linear (`dense_weight`, `dense_bias`) into `weight` and
+/// `bias`: the weight's chunk along `shard_dim` (0 for column, 1 for row layers), the bias's
+/// chunk for column layers and the whole bias for row layers. Not differentiable.
+void load_dense_linear_(at::Tensor& weight,
+                        std::optional<at::Tensor> bias,
+                        const at::Tensor& dense_weight,
+                        const std::optional<at::Tensor>& dense_bias,
+                        int64_t shard_dim,
+                        const GroupPtr& group);
+
+/// The dense weight and bias that the ranks' shards make up (the inverse of load_dense_linear_;
+/// a collective, every rank gets them).
+std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_linear(
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    int64_t shard_dim,
+    const GroupPtr& group);
+
 // ---- torch::nn modules -----------------------------------------------------------------------
 
 /// Options of ColumnParallelLinear.
