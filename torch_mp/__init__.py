@@ -15,6 +15,7 @@ from torch_mp import (
     _C,  # noqa: F401
     functional,
     pipeline,
+    random,
 )
 from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
 from torch_mp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -29,5 +30,6 @@ __all__ = [
     "get_mesh",
     "init",
     "pipeline",
+    "random",
     "set_mesh",
 ]

@@ -13,6 +13,7 @@
 #include "torch_mp/collectives.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/tensor_parallel/linear.h"
+#include "torch_mp/tensor_parallel/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace py = pybind11;
@@ -104,6 +105,48 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_collective_along(m, "gather_from_tp", &torch_mp::gather_from_tp);
   def_collective_along(m, "gather_from_sp", &torch_mp::gather_from_sp);
   def_collective_along(m, "reduce_scatter_to_sp", &torch_mp::reduce_scatter_to_sp);
+
+  // ---- random-number streams ----
+  m.def(
+      "rng_add",
+      [](const std::string& name, uint64_t seed, const std::string& device) {
+        tp::rng_tracker().add(name, seed, c10::Device(device));
+      },
+      py::arg("name"),
+      py::arg("seed"),
+      py::arg("device"));
+  m.def(
+      "rng_has",
+      [](const std::string& name, const std::string& device) {
+        return tp::rng_tracker().has(name, c10::Device(device));
+      },
+      py::arg("name"),
+      py::arg("device"));
+  m.def("rng_reset", [] { tp::rng_tracker().reset(); });
+  m.def(
+      "rng_swap_in",
+      [](const std::string& name, const std::string& device) {
+        return tp::rng_tracker().swap_in(name, c10::Device(device));
+      },
+      py::arg("name"),
+      py::arg("device"));
+  m.def(
+      "rng_swap_out",
+      [](const std::string& name, const std::string& device, const at::Tensor& default_state) {
+        tp::rng_tracker().swap_out(name, c10::Device(device), default_state);
+      },
+      py::arg("name"),
+      py::arg("device"),
+      py::arg("default_state"));
+  m.def(
+      "model_parallel_manual_seed",
+      [](uint64_t seed, const std::string& group, const std::string& device) {
+        tp::model_parallel_manual_seed(seed, resolve(group), c10::Device(device));
+      },
+      py::arg("seed"),
+      py::arg("group"),
+      py::arg("device"));
+  m.attr("MODEL_PARALLEL_RNG") = tp::kModelParallelRng;
 
   // ---- sharding ----
   m.def(

@@ -10,4 +10,5 @@
 #include "torch_mp/pipeline/simulate.h"         // IWYU pragma: export
 #include "torch_mp/process_groups.h"            // IWYU pragma: export
 #include "torch_mp/tensor_parallel/linear.h"    // IWYU pragma: export
+#include "torch_mp/tensor_parallel/random.h"    // IWYU pragma: export
 #include "torch_mp/tensor_parallel/sharding.h"  // IWYU pragma: export

@@ -1,0 +1,96 @@
+#include "torch_mp/tensor_parallel/random.h"
+
+#include <ATen/Context.h>
+#include <c10/util/Exception.h>
+
+namespace torch_mp::tensor_parallel {
+namespace {
+
+at::Generator default_generator(c10::Device device) {
+  return at::globalContext().defaultGenerator(device);
+}
+
+}  // namespace
+
+void RngTracker::add(const std::string& name, uint64_t seed, c10::Device device) {
+  // A stream's first state is the default generator's state right after seeding it.
+  auto generator = default_generator(device);
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    const auto saved = generator.get_state();
+    generator.set_current_seed(seed);
+    state = generator.get_state();
+    generator.set_state(saved);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  states_[{name, device.str()}] = state;
+}
+
+bool RngTracker::has(const std::string& name, c10::Device device) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return states_.count({name, device.str()}) > 0;
+}
+
+void RngTracker::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  states_.clear();
+}
+
+at::Tensor RngTracker::swap_in(const std::string& name, c10::Device device) {
+  at::Tensor stream;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = states_.find({name, device.str()});
+    TORCH_CHECK(it != states_.end(),
+                "torch_mp.random: no stream '",
+                name,
+                "' on ",
+                device.str(),
+                "; seed it first (torch_mp.random.manual_seed or RngTracker::add)");
+    stream = it->second;
+  }
+  auto generator = default_generator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  auto saved = generator.get_state();
+  generator.set_state(stream);
+  return saved;
+}
+
+void RngTracker::swap_out(const std::string& name,
+                          c10::Device device,
+                          const at::Tensor& default_state) {
+  auto generator = default_generator(device);
+  at::Tensor advanced;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    advanced = generator.get_state();
+    generator.set_state(default_state);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  states_[{name, device.str()}] = advanced;
+}
+
+RngTracker::Fork::Fork(RngTracker& tracker, std::string name, c10::Device device)
+    : tracker_(tracker), name_(std::move(name)), device_(device) {
+  default_state_ = tracker_.swap_in(name_, device_);
+}
+
+RngTracker::Fork::~Fork() { tracker_.swap_out(name_, device_, default_state_); }
+
+RngTracker& rng_tracker() {
+  static RngTracker tracker;
+  return tracker;
+}
+
+void model_parallel_manual_seed(uint64_t seed, const GroupPtr& group, c10::Device device) {
+  TORCH_CHECK(group, "torch_mp.random.manual_seed: no tensor-parallel group");
+  auto generator = default_generator(device);
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_current_seed(seed);
+  }
+  rng_tracker().add(kModelParallelRng, seed + 2718 + group->getRank(), device);
+}
+
+}  // namespace torch_mp::tensor_parallel

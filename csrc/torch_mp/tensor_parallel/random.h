@@ -1,0 +1,75 @@
+#pragma once
+// Random-number streams for tensor-parallel regions (DESIGN.md §3, "RNG tracker").
+//
+// Dropout outside a tensor-parallel region acts on tensors every rank holds whole, so it must
+// draw the same numbers on every rank: the default generator, seeded alike. Dropout inside a
+// region acts on each rank's own shard (different neurons), so it must draw different numbers
+// per rank: a tracked stream seeded per rank, swapped in for the duration of a `fork`.
+
+#include <ATen/core/Generator.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "torch_mp/process_groups.h"
+
+namespace torch_mp::tensor_parallel {
+
+/// The stream `model_parallel_manual_seed` sets up for tensor-parallel regions.
+inline constexpr const char* kModelParallelRng = "model-parallel-rng";
+
+/// Named random-number streams that can stand in for a device's default generator for a while.
+class RngTracker {
+ public:
+  /// Adds (or re-seeds) stream `name` on `device` (CPU or a CUDA device), seeded with `seed`.
+  void add(const std::string& name, uint64_t seed, c10::Device device = c10::kCPU);
+  /// Whether stream `name` exists on `device`.
+  bool has(const std::string& name, c10::Device device = c10::kCPU) const;
+  /// Forgets every stream.
+  void reset();
+
+  /// Puts stream `name` in place of `device`'s default generator; returns the default's state,
+  /// which `swap_out` restores. Raises if the stream does not exist.
+  at::Tensor swap_in(const std::string& name, c10::Device device);
+  /// Saves the advanced stream `name` and restores the default generator to `default_state`.
+  void swap_out(const std::string& name, c10::Device device, const at::Tensor& default_state);
+
+  /// Runs with stream `name` as the default generator while it lives (RAII form of swap_in/out).
+  class Fork {
+   public:
+    Fork(RngTracker& tracker, std::string name, c10::Device device);
+    ~Fork();
+    Fork(const Fork&) = delete;
+    Fork& operator=(const Fork&) = delete;
+
+   private:
+    RngTracker& tracker_;
+    std::string name_;
+    c10::Device device_;
+    at::Tensor default_state_;
+  };
+  /// Forks into stream `name` on `device`.
+  Fork fork(const std::string& name = kModelParallelRng, c10::Device device = c10::kCPU) {
+    return Fork(*this, name, device);
+  }
+
+ private:
+  using Key = std::pair<std::string, std::string>;  // name, device
+  mutable std::mutex mutex_;
+  std::map<Key, at::Tensor> states_;
+};
+
+/// The process-wide tracker.
+RngTracker& rng_tracker();
+
+/// Seeds `device`'s default generator with `seed` (the same stream on every rank) and the
+/// tracker's kModelParallelRng stream with seed + 2718 + the rank in `group` (a stream per rank).
+void model_parallel_manual_seed(uint64_t seed,
+                                const GroupPtr& group,
+                                c10::Device device = c10::kCPU);
+
+}  // namespace torch_mp::tensor_parallel
