@@ -60,65 +60,29 @@ struct ReduceFromTp : torch::autograd::Function<ReduceFromTp> {
   }
 };
 
-struct ScatterToTp : torch::autograd::Function<ScatterToTp> {
+// The four ops along a dim differ only in which plain collective runs forward and which
+// backward: one Function template serves them all.
+using DimCollective = at::Tensor (*)(const at::Tensor&, int64_t, const GroupPtr&);
+
+template <DimCollective Forward, DimCollective Backward>
+struct AlongDim : torch::autograd::Function<AlongDim<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* ctx,
                             const at::Tensor& x,
                             const GroupPtr& group,
                             int64_t dim) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["dim"] = dim;
-    return comm::split(x, dim, group);
+    return Forward(x, dim, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {
-        comm::all_gather(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
+    return {Backward(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
   }
 };
 
-struct GatherFromTp : torch::autograd::Function<GatherFromTp> {
-  static at::Tensor forward(AutogradContext* ctx,
-                            const at::Tensor& x,
-                            const GroupPtr& group,
-                            int64_t dim) {
-    ctx->saved_data["group"] = group;
-    ctx->saved_data["dim"] = dim;
-    return comm::all_gather(x, dim, group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {comm::split(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
-  }
-};
-
-struct GatherFromSp : torch::autograd::Function<GatherFromSp> {
-  static at::Tensor forward(AutogradContext* ctx,
-                            const at::Tensor& x,
-                            const GroupPtr& group,
-                            int64_t dim) {
-    ctx->saved_data["group"] = group;
-    ctx->saved_data["dim"] = dim;
-    return comm::all_gather(x, dim, group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {comm::reduce_scatter(grads[0], saved_dim(ctx), saved_group(ctx)),
-            at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-struct ReduceScatterToSp : torch::autograd::Function<ReduceScatterToSp> {
-  static at::Tensor forward(AutogradContext* ctx,
-                            const at::Tensor& x,
-                            const GroupPtr& group,
-                            int64_t dim) {
-    ctx->saved_data["group"] = group;
-    ctx->saved_data["dim"] = dim;
-    return comm::reduce_scatter(x, dim, group);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {
-        comm::all_gather(grads[0], saved_dim(ctx), saved_group(ctx)), at::Tensor(), at::Tensor()};
-  }
-};
+using ScatterToTp = AlongDim<&comm::split, &comm::all_gather>;
+using GatherFromTp = AlongDim<&comm::all_gather, &comm::split>;
+using GatherFromSp = AlongDim<&comm::all_gather, &comm::reduce_scatter>;
+using ReduceScatterToSp = AlongDim<&comm::reduce_scatter, &comm::all_gather>;
 
 // Applies a dim-taking op, or returns `x` untouched on a one-rank group.
 template <typename Op>

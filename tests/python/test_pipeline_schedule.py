@@ -4,6 +4,7 @@ traces. (The C++ suite checks the same generators in more depth.)"""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -149,8 +150,19 @@ def test_partition_with_explicit_sizes_and_bad_input():
         pipeline.partition(model, 2, balance="time")
 
 
-def test_partition_by_time_gives_every_stage_a_layer():
-    model = _model()
-    stages = pipeline.partition(model, 4, balance="time", sample_input=torch.randn(8, 4))
-    assert sum(len(s) for s in stages) == 5 and all(len(s) >= 1 for s in stages)
+class _Slow(torch.nn.Module):
+    """Costs 20 ms forward and has no parameters: invisible to "params", dominant for "time"."""
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return x
+
+
+def test_partition_by_time_isolates_the_slow_layer():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), _Slow(), torch.nn.Linear(4, 4)
+    )
+    stages = pipeline.partition(model, 3, balance="time", sample_input=torch.randn(8, 4))
+    # The slow layer outweighs all others together, so the best cut gives it a stage of its own.
+    assert [list(s._modules) for s in stages] == [["0", "1"], ["2"], ["3"]]
     assert all(p.grad is None for p in model.parameters())  # profiling leaves no gradients
