@@ -13,23 +13,46 @@ import torch.distributed  # noqa: F401  (registers the c10d types the core uses)
 
 from torch_mp import (
     _C,  # noqa: F401
+    dense,
     functional,
     pipeline,
     random,
+    tensor_parallel,
 )
 from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
-from torch_mp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from torch_mp.tensor_parallel import (
+    ColumnParallelConv2d,
+    ColumnParallelLinear,
+    ParallelConvBlock,
+    ParallelMLP,
+    ParallelSelfAttention,
+    ParallelTransformerLayer,
+    RowParallelConv2d,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ColumnParallelConv2d",
     "ColumnParallelLinear",
     "Mesh",
+    "ParallelConvBlock",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "ParallelTransformerLayer",
+    "RowParallelConv2d",
     "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "dense",
     "functional",
     "get_mesh",
     "init",
     "pipeline",
     "random",
     "set_mesh",
+    "tensor_parallel",
+    "vocab_parallel_cross_entropy",
 ]

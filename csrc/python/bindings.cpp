@@ -1,15 +1,9 @@
 // pybind11 bindings of the C++ core: torch_mp._C. Nothing but argument conversion lives here.
-//
-// How groups cross from Python: the Python side passes `group.group_name`, and we look the
-// group up in c10d's group registry (torch.distributed registers every group it makes there).
-// Passing names rather than pybind11-wrapped ProcessGroup objects keeps this module independent
-// of torch's pybind11 type registrations and lets the ops become TORCH_LIBRARY operators (which
-// take only strings and tensors) for torch.compile later.
+// (How groups cross from Python: see python/common.h.)
 
 #include <torch/extension.h>
 
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-
+#include "python/common.h"
 #include "torch_mp/collectives.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/tensor_parallel/linear.h"
@@ -20,19 +14,14 @@ namespace py = pybind11;
 namespace tp = torch_mp::tensor_parallel;
 
 namespace torch_mp::python {
-void bind_pipeline(py::module_& parent);  // pipeline_bindings.cpp
+void bind_pipeline(py::module_& parent);         // pipeline_bindings.cpp
+void bind_tensor_parallel(py::module_& module);  // tensor_parallel_bindings.cpp
 }  // namespace torch_mp::python
 
 namespace {
 
-// Everything that communicates waits without the GIL: c10d's worker threads may need it (to free
-// tensors that Python owns) before the collective can finish, and would deadlock against a
-// caller that held it.
-using ReleaseGil = py::call_guard<py::gil_scoped_release>;
-
-torch_mp::GroupPtr resolve(const std::string& group_name) {
-  return c10d::resolve_process_group(group_name);
-}
+using torch_mp::python::ReleaseGil;
+using torch_mp::python::resolve;
 
 // Binds a collective `op(x, group)` or `op(x, group, dim)` under `name`.
 template <typename Fn>
@@ -63,6 +52,7 @@ void def_collective_along(py::module_& m, const char* name, Fn op) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
   torch_mp::python::bind_pipeline(m);
+  torch_mp::python::bind_tensor_parallel(m);
 
   // ---- mesh ----
   m.def(

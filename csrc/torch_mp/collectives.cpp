@@ -132,10 +132,12 @@ at::Tensor reduce_scatter_to_sp(const at::Tensor& x, const GroupPtr& group, int6
 
 namespace comm {
 
-at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group) {
+at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group, c10d::ReduceOp op) {
   check_group(group);
   std::vector<at::Tensor> tensors{x.clone(at::MemoryFormat::Contiguous)};
-  group->allreduce(tensors)->wait();
+  c10d::AllreduceOptions options;
+  options.reduceOp = std::move(op);
+  group->allreduce(tensors, options)->wait();
   return tensors[0];
 }
 

@@ -40,8 +40,10 @@ at::Tensor reduce_scatter_to_sp(const at::Tensor& x, const GroupPtr& group, int6
 /// tensor and leaves its input untouched.
 namespace comm {
 
-/// Sum of `x` over the group.
-at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group);
+/// Sum (or the reduction `op`, e.g. c10d::ReduceOp::MAX) of `x` over the group.
+at::Tensor all_reduce(const at::Tensor& x,
+                      const GroupPtr& group,
+                      c10d::ReduceOp op = c10d::ReduceOp::SUM);
 
 /// The group's tensors concatenated along `dim`, in rank order.
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group);

@@ -1,14 +1,18 @@
 #pragma once
 // torch_mp for LibTorch applications: include this one header and link torch_mp::torch_mp.
 
-#include "torch_mp/collectives.h"               // IWYU pragma: export
-#include "torch_mp/mesh.h"                      // IWYU pragma: export
-#include "torch_mp/pipeline/executor.h"         // IWYU pragma: export
-#include "torch_mp/pipeline/partition.h"        // IWYU pragma: export
-#include "torch_mp/pipeline/pipeline.h"         // IWYU pragma: export
-#include "torch_mp/pipeline/schedule.h"         // IWYU pragma: export
-#include "torch_mp/pipeline/simulate.h"         // IWYU pragma: export
-#include "torch_mp/process_groups.h"            // IWYU pragma: export
-#include "torch_mp/tensor_parallel/linear.h"    // IWYU pragma: export
-#include "torch_mp/tensor_parallel/random.h"    // IWYU pragma: export
-#include "torch_mp/tensor_parallel/sharding.h"  // IWYU pragma: export
+#include "torch_mp/collectives.h"                    // IWYU pragma: export
+#include "torch_mp/mesh.h"                           // IWYU pragma: export
+#include "torch_mp/pipeline/executor.h"              // IWYU pragma: export
+#include "torch_mp/pipeline/partition.h"             // IWYU pragma: export
+#include "torch_mp/pipeline/pipeline.h"              // IWYU pragma: export
+#include "torch_mp/pipeline/schedule.h"              // IWYU pragma: export
+#include "torch_mp/pipeline/simulate.h"              // IWYU pragma: export
+#include "torch_mp/process_groups.h"                 // IWYU pragma: export
+#include "torch_mp/tensor_parallel/blocks.h"         // IWYU pragma: export
+#include "torch_mp/tensor_parallel/conv.h"           // IWYU pragma: export
+#include "torch_mp/tensor_parallel/cross_entropy.h"  // IWYU pragma: export
+#include "torch_mp/tensor_parallel/embedding.h"      // IWYU pragma: export
+#include "torch_mp/tensor_parallel/linear.h"         // IWYU pragma: export
+#include "torch_mp/tensor_parallel/random.h"         // IWYU pragma: export
+#include "torch_mp/tensor_parallel/sharding.h"       // IWYU pragma: export

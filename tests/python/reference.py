@@ -18,9 +18,11 @@ def rank_tensor(seed: int, rank: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = ATOL
+) -> None:
     torch.testing.assert_close(
-        actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {dist.get_rank()}: {what}: {m}"
+        actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"rank {dist.get_rank()}: {what}: {m}"
     )
 
 

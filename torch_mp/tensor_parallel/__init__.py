@@ -1,5 +1,26 @@
-"""Tensor-parallel (intra-layer) modules."""
+"""Tensor-parallel (intra-layer) modules and functions."""
 
+from torch_mp.tensor_parallel.blocks import (
+    LayerNorm,
+    ParallelConvBlock,
+    ParallelMLP,
+    ParallelSelfAttention,
+    ParallelTransformerLayer,
+)
+from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2d
+from torch_mp.tensor_parallel.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = [
+    "ColumnParallelConv2d",
+    "ColumnParallelLinear",
+    "LayerNorm",
+    "ParallelConvBlock",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "ParallelTransformerLayer",
+    "RowParallelConv2d",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+]

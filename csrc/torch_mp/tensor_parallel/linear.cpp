@@ -1,42 +1,12 @@
 #include "torch_mp/tensor_parallel/linear.h"
 
 #include <ATen/ATen.h>
-#include <torch/nn/init.h>
-
-#include <cmath>
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {
-namespace {
-
-GroupPtr group_or_default(const GroupPtr& group) { return group ? group : get_mesh()->tp_group; }
-
-// The shard size this rank's weight must have along the split dim; names the layer on mismatch.
-void check_shard(
-    const char* layer, const char* what, int64_t shard, int64_t full, const GroupPtr& group) {
-  TORCH_CHECK(shard * group->getSize() == full,
-              layer,
-              ": the weight shard has ",
-              shard,
-              " ",
-              what,
-              " but ",
-              what,
-              " (",
-              full,
-              ") split over a tensor-parallel group of size ",
-              group->getSize(),
-              " needs ",
-              full / group->getSize(),
-              " per rank (rank ",
-              group->getRank(),
-              "); the layer was built for a different group size");
-}
-
-}  // namespace
 
 at::Tensor column_parallel_linear(const at::Tensor& input,
                                   const at::Tensor& weight,
@@ -45,7 +15,7 @@ at::Tensor column_parallel_linear(const at::Tensor& input,
                                   bool gather_output,
                                   bool sequence_parallel,
                                   const GroupPtr& group) {
-  check_shard("ColumnParallelLinear", "out_features", weight.size(0), out_features, group);
+  check_shard_size("ColumnParallelLinear", "out_features", weight.size(0), out_features, group);
   const at::Tensor x =
       sequence_parallel ? gather_from_sp(input, group, 0) : copy_to_tp(input, group);
   const at::Tensor y = at::linear(x, weight, bias);
@@ -59,7 +29,7 @@ at::Tensor row_parallel_linear(const at::Tensor& input,
                                bool input_is_parallel,
                                bool sequence_parallel,
                                const GroupPtr& group) {
-  check_shard("RowParallelLinear", "in_features", weight.size(1), in_features, group);
+  check_shard_size("RowParallelLinear", "in_features", weight.size(1), in_features, group);
   const at::Tensor x = input_is_parallel ? input : scatter_to_tp(input, group, -1);
   const at::Tensor partial = at::linear(x, weight);
   const at::Tensor y =
@@ -113,16 +83,10 @@ void init_parallel_linear_(at::Tensor& weight,
                            int64_t out_features,
                            int64_t shard_dim,
                            const GroupPtr& group) {
-  at::NoGradGuard no_grad;
-  // Draw the dense tensors in nn.Linear's order from the default generator, then keep our shard.
-  auto full_weight = at::empty({out_features, in_features}, weight.options());
-  torch::nn::init::kaiming_uniform_(full_weight, std::sqrt(5.0));
-  std::optional<at::Tensor> full_bias;
-  if (bias && bias->defined()) {
-    const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
-    full_bias = at::empty({out_features}, bias->options()).uniform_(-bound, bound);
-  }
-  load_dense_linear_(weight, bias, full_weight, full_bias, shard_dim, group);
+  const int64_t whole = shard_dim == 0 ? in_features : out_features;  // the dim not split
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1 - shard_dim) == whole,
+              "init_parallel_linear_: the weight shard does not fit the layer's sizes");
+  init_sharded_like_dense_(weight, std::move(bias), shard_dim, group);
 }
 
 void load_dense_linear_(at::Tensor& weight,
@@ -160,7 +124,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o
 }
 
 void ColumnParallelLinearImpl::reset() {
-  options.group(group_or_default(options.group()));
+  options.group(tp_group_or_default(options.group()));
   const auto& group = options.group();
   check_column_parallel_linear(options.in_features(),
                                options.out_features(),
@@ -205,6 +169,11 @@ void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", tp_size=" << options.group()->getSize() << ")";
 }
 
+ColumnParallelLinear ColumnParallelLinearImpl::uninitialised(ColumnParallelLinearOptions options) {
+  return ColumnParallelLinear(std::shared_ptr<ColumnParallelLinearImpl>(
+      new ColumnParallelLinearImpl(std::move(options), /*initialise=*/false)));
+}
+
 ColumnParallelLinear ColumnParallelLinearImpl::from_dense(const torch::nn::Linear& dense,
                                                           ColumnParallelLinearOptions options) {
   const auto& dense_options = dense->options;
@@ -214,14 +183,14 @@ ColumnParallelLinear ColumnParallelLinearImpl::from_dense(const torch::nn::Linea
           dense_options.bias() == options.bias(),
       "ColumnParallelLinear.from_dense: the options must match the dense layer's in_features, "
       "out_features and bias");
-  ColumnParallelLinear layer(std::shared_ptr<ColumnParallelLinearImpl>(
-      new ColumnParallelLinearImpl(std::move(options), /*initialise=*/false)));
+  auto layer = uninitialised(std::move(options));
   load_dense_linear_(
       layer->weight, layer->bias, dense->weight, dense->bias, 0, layer->options.group());
   return layer;
 }
 
 torch::nn::Linear ColumnParallelLinearImpl::to_dense() const {
+  const KeepDefaultRng keep_rng;  // the dense layer's own initialisation is overwritten
   torch::nn::Linear dense(
       torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
   dense->to(weight.device(), weight.scalar_type());
@@ -243,7 +212,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options_, 
 }
 
 void RowParallelLinearImpl::reset() {
-  options.group(group_or_default(options.group()));
+  options.group(tp_group_or_default(options.group()));
   const auto& group = options.group();
   check_row_parallel_linear(options.in_features(),
                             options.out_features(),
@@ -288,6 +257,11 @@ void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
          << ", tp_size=" << options.group()->getSize() << ")";
 }
 
+RowParallelLinear RowParallelLinearImpl::uninitialised(RowParallelLinearOptions options) {
+  return RowParallelLinear(std::shared_ptr<RowParallelLinearImpl>(
+      new RowParallelLinearImpl(std::move(options), /*initialise=*/false)));
+}
+
 RowParallelLinear RowParallelLinearImpl::from_dense(const torch::nn::Linear& dense,
                                                     RowParallelLinearOptions options) {
   const auto& dense_options = dense->options;
@@ -296,14 +270,14 @@ RowParallelLinear RowParallelLinearImpl::from_dense(const torch::nn::Linear& den
                   dense_options.bias() == options.bias(),
               "RowParallelLinear.from_dense: the options must match the dense layer's in_features, "
               "out_features and bias");
-  RowParallelLinear layer(std::shared_ptr<RowParallelLinearImpl>(
-      new RowParallelLinearImpl(std::move(options), /*initialise=*/false)));
+  auto layer = uninitialised(std::move(options));
   load_dense_linear_(
       layer->weight, layer->bias, dense->weight, dense->bias, 1, layer->options.group());
   return layer;
 }
 
 torch::nn::Linear RowParallelLinearImpl::to_dense() const {
+  const KeepDefaultRng keep_rng;  // the dense layer's own initialisation is overwritten
   torch::nn::Linear dense(
       torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
   dense->to(weight.device(), weight.scalar_type());

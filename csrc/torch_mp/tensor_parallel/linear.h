@@ -157,6 +157,8 @@ class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinea
   at::Tensor forward(const at::Tensor& input);
   void pretty_print(std::ostream& stream) const override;
 
+  /// A layer whose parameters are allocated but not initialised (for modules that fill them).
+  static ColumnParallelLinear uninitialised(ColumnParallelLinearOptions options);
   /// Shards `dense` for `options.group()`; `options` must name the dense layer's sizes and bias.
   static ColumnParallelLinear from_dense(const torch::nn::Linear& dense,
                                          ColumnParallelLinearOptions options);
@@ -192,6 +194,8 @@ class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl>
   at::Tensor forward(const at::Tensor& input);
   void pretty_print(std::ostream& stream) const override;
 
+  /// A layer whose parameters are allocated but not initialised (for modules that fill them).
+  static RowParallelLinear uninitialised(RowParallelLinearOptions options);
   /// Shards `dense` for `options.group()`; `options` must name the dense layer's sizes and bias.
   static RowParallelLinear from_dense(const torch::nn::Linear& dense,
                                       RowParallelLinearOptions options);

@@ -2,8 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/WrapDimMinimal.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/mesh.h"
+#include "torch_mp/tensor_parallel/linear.h"
 
 namespace torch_mp::tensor_parallel {
 
@@ -29,6 +34,56 @@ at::Tensor shard(const at::Tensor& full, int64_t dim, int64_t index, int64_t par
 
 at::Tensor shard(const at::Tensor& full, int64_t dim, const GroupPtr& group) {
   return shard(full, dim, group->getRank(), group->getSize());
+}
+
+GroupPtr tp_group_or_default(const GroupPtr& group) { return group ? group : get_mesh()->tp_group; }
+
+void check_shard_size(
+    const char* layer, const char* what, int64_t shard, int64_t full, const GroupPtr& group) {
+  TORCH_CHECK(shard * group->getSize() == full,
+              layer,
+              ": the weight shard has ",
+              shard,
+              " ",
+              what,
+              " but ",
+              what,
+              " (",
+              full,
+              ") split over a tensor-parallel group of size ",
+              group->getSize(),
+              " needs ",
+              full / group->getSize(),
+              " per rank (rank ",
+              group->getRank(),
+              "); the layer was built for a different group size");
+}
+
+void init_sharded_like_dense_(at::Tensor& weight,
+                              std::optional<at::Tensor> bias,
+                              int64_t shard_dim,
+                              const GroupPtr& group) {
+  at::NoGradGuard no_grad;
+  // Draw the dense tensors in nn.Linear's / nn.Conv2d's order, then keep our shard.
+  auto shape = weight.sizes().vec();
+  shape[shard_dim] *= group->getSize();
+  auto full_weight = at::empty(shape, weight.options());
+  torch::nn::init::kaiming_uniform_(full_weight, std::sqrt(5.0));
+  std::optional<at::Tensor> full_bias;
+  if (bias && bias->defined()) {
+    const int64_t fan_in = full_weight.numel() / std::max<int64_t>(shape[0], 1);
+    const double bound = fan_in > 0 ? 1.0 / std::sqrt(static_cast<double>(fan_in)) : 0.0;
+    full_bias = at::empty({shape[0]}, bias->options()).uniform_(-bound, bound);
+  }
+  load_dense_linear_(weight, bias, full_weight, full_bias, shard_dim, group);
+}
+
+KeepDefaultRng::KeepDefaultRng()
+    : state_(at::globalContext().defaultGenerator(at::kCPU).get_state()) {}
+
+KeepDefaultRng::~KeepDefaultRng() {
+  at::Generator generator = at::globalContext().defaultGenerator(at::kCPU);  // a handle
+  generator.set_state(state_);
 }
 
 at::Tensor unshard(const at::Tensor& local, int64_t dim, const GroupPtr& group) {

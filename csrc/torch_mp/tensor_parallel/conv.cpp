@@ -1,0 +1,266 @@
+#include "torch_mp/tensor_parallel/conv.h"
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <variant>
+
+#include "torch_mp/collectives.h"
+#include "torch_mp/tensor_parallel/linear.h"
+#include "torch_mp/tensor_parallel/sharding.h"
+
+namespace torch_mp::tensor_parallel {
+namespace {
+
+constexpr int64_t kChannelDim = -3;  // of [N, C, H, W] and of unbatched [C, H, W]
+
+std::optional<at::Tensor> optional_bias(const at::Tensor& bias) {
+  return bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+}
+
+bool is_same(const torch::nn::detail::conv_padding_t<2>& padding) {
+  return std::holds_alternative<torch::enumtype::kSame>(padding);
+}
+
+bool is_valid(const torch::nn::detail::conv_padding_t<2>& padding) {
+  return std::holds_alternative<torch::enumtype::kValid>(padding);
+}
+
+// The amounts at::pad takes for a non-zero padding mode: (left, right) of the last dim first,
+// as torch.nn.Conv2d computes them (for "same": total d * (k - 1), the extra one on the right).
+std::vector<int64_t> reversed_padding(const torch::nn::Conv2dOptions& o) {
+  std::vector<int64_t> pads;
+  for (int64_t i = 1; i >= 0; --i) {
+    if (is_same(o.padding())) {
+      const int64_t total = (*o.dilation())[i] * ((*o.kernel_size())[i] - 1);
+      pads.push_back(total / 2);
+      pads.push_back(total - total / 2);
+    } else if (is_valid(o.padding())) {
+      pads.insert(pads.end(), {0, 0});
+    } else {
+      const int64_t p = (*std::get<torch::ExpandingArray<2>>(o.padding()))[i];
+      pads.insert(pads.end(), {p, p});
+    }
+  }
+  return pads;
+}
+
+const char* pad_mode(const torch::nn::detail::conv_padding_mode_t& mode) {
+  if (std::holds_alternative<torch::enumtype::kReflect>(mode)) {
+    return "reflect";
+  }
+  if (std::holds_alternative<torch::enumtype::kReplicate>(mode)) {
+    return "replicate";
+  }
+  return "circular";
+}
+
+}  // namespace
+
+torch::nn::Conv2dOptions conv2d_options_of(const torch::nn::detail::ConvNdOptions<2>& m) {
+  return torch::nn::Conv2dOptions(m.in_channels(), m.out_channels(), m.kernel_size())
+      .stride(m.stride())
+      .padding(m.padding())
+      .dilation(m.dilation())
+      .groups(m.groups())
+      .bias(m.bias())
+      .padding_mode(m.padding_mode());
+}
+
+at::Tensor conv2d_as(const at::Tensor& input,
+                     const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias,
+                     const torch::nn::Conv2dOptions& o) {
+  const auto stride = *o.stride();
+  const auto dilation = *o.dilation();
+  if (!std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode())) {
+    const auto padded = at::pad(input, reversed_padding(o), pad_mode(o.padding_mode()));
+    constexpr std::array<int64_t, 2> kNoPadding{0, 0};
+    return at::conv2d(padded, weight, bias, stride, kNoPadding, dilation);
+  }
+  if (is_same(o.padding())) {
+    return at::conv2d(input, weight, bias, stride, "same", dilation);
+  }
+  if (is_valid(o.padding())) {
+    return at::conv2d(input, weight, bias, stride, "valid", dilation);
+  }
+  return at::conv2d(
+      input, weight, bias, stride, *std::get<torch::ExpandingArray<2>>(o.padding()), dilation);
+}
+
+at::Tensor column_parallel_conv2d(const at::Tensor& input,
+                                  const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  const torch::nn::Conv2dOptions& dense,
+                                  bool gather_output,
+                                  const GroupPtr& group) {
+  check_shard_size(
+      "ColumnParallelConv2d", "out_channels", weight.size(0), dense.out_channels(), group);
+  const auto y = conv2d_as(copy_to_tp(input, group), weight, bias, dense);
+  return gather_output ? gather_from_tp(y, group, kChannelDim) : y;
+}
+
+at::Tensor row_parallel_conv2d(const at::Tensor& input,
+                               const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias,
+                               const torch::nn::Conv2dOptions& dense,
+                               bool input_is_parallel,
+                               const GroupPtr& group) {
+  check_shard_size("RowParallelConv2d", "in_channels", weight.size(1), dense.in_channels(), group);
+  const auto x = input_is_parallel ? input : scatter_to_tp(input, group, kChannelDim);
+  const auto y = reduce_from_tp(conv2d_as(x, weight, std::nullopt, dense), group);
+  if (!bias || !bias->defined()) {
+    return y;
+  }
+  return y + bias->view({-1, 1, 1});
+}
+
+void check_parallel_conv2d(const torch::nn::Conv2dOptions& o,
+                           int64_t shard_dim,
+                           bool flag,
+                           const GroupPtr& group) {
+  const char* name = shard_dim == 0 ? "ColumnParallelConv2d" : "RowParallelConv2d";
+  const auto& k = *o.kernel_size();
+  const auto& s = *o.stride();
+  const auto& d = *o.dilation();
+  const int64_t padding_kind = is_same(o.padding()) ? -1 : is_valid(o.padding()) ? -2 : 0;
+  std::vector<int64_t> padding{padding_kind, padding_kind};
+  if (padding_kind == 0) {
+    const auto& p = *std::get<torch::ExpandingArray<2>>(o.padding());
+    padding = {p[0], p[1]};
+  }
+  // Agreement first: a check that fails on one rank only would leave the others waiting.
+  comm::check_same_across_ranks({o.in_channels(),
+                                 o.out_channels(),
+                                 k[0],
+                                 k[1],
+                                 s[0],
+                                 s[1],
+                                 padding[0],
+                                 padding[1],
+                                 d[0],
+                                 d[1],
+                                 o.groups(),
+                                 o.bias(),
+                                 static_cast<int64_t>(o.padding_mode().index()),
+                                 flag},
+                                group,
+                                std::string(name) +
+                                    " configuration [in_channels, out_channels, kernel_size, "
+                                    "stride, padding (-1 same, -2 valid), dilation, groups, bias, "
+                                    "padding_mode, gather_output/input_is_parallel]");
+  TORCH_CHECK(o.groups() == 1, name, ": only groups=1 is supported, got ", o.groups());
+  TORCH_CHECK(o.in_channels() > 0 && o.out_channels() > 0 && k[0] > 0 && k[1] > 0 && s[0] > 0 &&
+                  s[1] > 0 && d[0] > 0 && d[1] > 0 && padding[0] >= -2 && padding[1] >= -2,
+              name,
+              ": channels, kernel_size, stride and dilation must be positive and padding "
+              "non-negative");
+  TORCH_CHECK(!is_same(o.padding()) || (s[0] == 1 && s[1] == 1),
+              name,
+              ": padding='same' is not supported for strided convolutions");
+  divide(shard_dim == 0 ? o.out_channels() : o.in_channels(),
+         group->getSize(),
+         std::string(name) + (shard_dim == 0 ? ": out_channels" : ": in_channels"));
+}
+
+// ---- modules ---------------------------------------------------------------------------------
+
+template <typename Options>
+ParallelConv2dImpl<Options>::ParallelConv2dImpl(Options options_, bool initialise)
+    : options(std::move(options_)), initialise_(initialise) {
+  reset();
+}
+
+template <typename Options>
+void ParallelConv2dImpl<Options>::reset() {
+  options.group(tp_group_or_default(options.group()));
+  const auto& conv = options.conv();
+  check_parallel_conv2d(conv, Options::kShardDim, options.flag(), options.group());
+  const int64_t t = options.group()->getSize();
+  const auto& k = *conv.kernel_size();
+  std::vector<int64_t> shape{conv.out_channels(), conv.in_channels(), k[0], k[1]};
+  shape[Options::kShardDim] /= t;
+  weight = this->register_parameter("weight", at::empty(shape));
+  const int64_t bias_size = Options::kShardDim == 0 ? shape[0] : conv.out_channels();
+  bias = this->register_parameter(
+      "bias", conv.bias() ? at::empty({bias_size}) : at::Tensor(), /*requires_grad=*/conv.bias());
+  if (initialise_) {
+    reset_parameters();
+  }
+}
+
+template <typename Options>
+void ParallelConv2dImpl<Options>::reset_parameters() {
+  init_sharded_like_dense_(weight, optional_bias(bias), Options::kShardDim, options.group());
+}
+
+template <typename Options>
+at::Tensor ParallelConv2dImpl<Options>::forward(const at::Tensor& input) {
+  if constexpr (Options::kShardDim == 0) {
+    return column_parallel_conv2d(
+        input, weight, optional_bias(bias), options.conv(), options.flag(), options.group());
+  } else {
+    return row_parallel_conv2d(
+        input, weight, optional_bias(bias), options.conv(), options.flag(), options.group());
+  }
+}
+
+template <typename Options>
+void ParallelConv2dImpl<Options>::pretty_print(std::ostream& stream) const {
+  const auto& conv = options.conv();
+  stream << "torch_mp::" << Options::kName << "(" << conv.in_channels() << ", "
+         << conv.out_channels() << ", kernel_size=" << conv.kernel_size()
+         << ", stride=" << conv.stride() << ", bias=" << std::boolalpha << conv.bias()
+         << (Options::kShardDim == 0 ? ", gather_output=" : ", input_is_parallel=")
+         << options.flag() << ", tp_size=" << options.group()->getSize() << ")";
+}
+
+template <typename Options>
+std::shared_ptr<ParallelConv2dImpl<Options>> ParallelConv2dImpl<Options>::uninitialised(
+    Options options) {
+  return std::shared_ptr<ParallelConv2dImpl>(
+      new ParallelConv2dImpl(std::move(options), /*initialise=*/false));
+}
+
+template <typename Options>
+std::shared_ptr<ParallelConv2dImpl<Options>> ParallelConv2dImpl<Options>::from_dense(
+    const torch::nn::Conv2d& dense, Options options) {
+  const auto a = conv2d_options_of(dense->options);
+  const auto& b = options.conv();
+  TORCH_CHECK(a.in_channels() == b.in_channels() && a.out_channels() == b.out_channels() &&
+                  *a.kernel_size() == *b.kernel_size() && a.bias() == b.bias(),
+              Options::kName,
+              ".from_dense: options.conv() must describe the dense layer (in_channels, "
+              "out_channels, kernel_size, bias)");
+  // Geometry comes from the dense layer itself.
+  options.conv(a);
+  auto layer = uninitialised(std::move(options));
+  layer->to(dense->weight.device(), dense->weight.scalar_type());
+  load_dense_linear_(layer->weight,
+                     optional_bias(layer->bias),
+                     dense->weight,
+                     optional_bias(dense->bias),
+                     Options::kShardDim,
+                     layer->options.group());
+  return layer;
+}
+
+template <typename Options>
+torch::nn::Conv2d ParallelConv2dImpl<Options>::to_dense() const {
+  const auto [dense_weight, dense_bias] =
+      gather_dense_linear(weight, optional_bias(bias), Options::kShardDim, options.group());
+  const KeepDefaultRng keep_rng;  // the dense layer's own initialisation is overwritten
+  torch::nn::Conv2d dense(options.conv());
+  dense->to(weight.device(), weight.scalar_type());
+  at::NoGradGuard no_grad;
+  dense->weight.copy_(dense_weight);
+  if (dense_bias) {
+    dense->bias.copy_(*dense_bias);
+  }
+  return dense;
+}
+
+template class ParallelConv2dImpl<ColumnParallelConv2dOptions>;
+template class ParallelConv2dImpl<RowParallelConv2dOptions>;
+
+}  // namespace torch_mp::tensor_parallel

@@ -1,0 +1,151 @@
+#pragma once
+// Channel-parallel Conv2d layers (NCHW, or CHW unbatched), as functions and torch::nn modules.
+//
+//   ColumnParallelConv2d   output channels split: weight [out/t, in, kh, kw], bias [out/t]
+//   RowParallelConv2d      input channels split:  weight [out, in/t, kh, kw], partial sums
+//                          all-reduced, bias (whole) added once after the reduction
+//
+// Every stride, padding (numbers, "same", "valid"), dilation and padding mode ("zeros",
+// "reflect", "replicate", "circular") of torch::nn::Conv2d with groups = 1. Padding acts on each
+// channel alone, so it commutes with splitting the channels.
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/expanding_array.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/options/conv.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <ostream>
+
+#include "torch_mp/process_groups.h"
+
+namespace torch_mp::tensor_parallel {
+
+/// Forward of a column-parallel Conv2d: `weight` [out/t, in, kh, kw] and `bias` [out/t] are this
+/// rank's shards of the dense layer that `dense` describes. The input is copied into the
+/// tensor-parallel region; the output is this rank's out/t channels, or all of them with
+/// `gather_output`.
+at::Tensor column_parallel_conv2d(const at::Tensor& input,
+                                  const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  const torch::nn::Conv2dOptions& dense,
+                                  bool gather_output,
+                                  const GroupPtr& group);
+
+/// Forward of a row-parallel Conv2d: `weight` [out, in/t, kh, kw] is this rank's shard, `bias`
+/// [out] whole. With `input_is_parallel` the input holds this rank's in/t channels, otherwise it
+/// is split here. Partial outputs are all-reduced, then the bias is added.
+at::Tensor row_parallel_conv2d(const at::Tensor& input,
+                               const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias,
+                               const torch::nn::Conv2dOptions& dense,
+                               bool input_is_parallel,
+                               const GroupPtr& group);
+
+/// Checks a channel-parallel Conv2d: groups = 1, valid geometry, the split channel count
+/// (dim 0 of the weight: out_channels; dim 1: in_channels) divisible by the group size, and the
+/// same configuration on every rank. `flag` is gather_output or input_is_parallel.
+void check_parallel_conv2d(const torch::nn::Conv2dOptions& dense,
+                           int64_t shard_dim,
+                           bool flag,
+                           const GroupPtr& group);
+
+/// The options of a torch::nn::Conv2d module (its `options` member) as Conv2dOptions.
+torch::nn::Conv2dOptions conv2d_options_of(const torch::nn::detail::ConvNdOptions<2>& module);
+
+/// The convolution torch::nn::Conv2d with options `dense` computes, with any weight and bias
+/// (used by the layers on their shards).
+at::Tensor conv2d_as(const at::Tensor& input,
+                     const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias,
+                     const torch::nn::Conv2dOptions& dense);
+
+// ---- torch::nn modules -----------------------------------------------------------------------
+
+/// Options of ColumnParallelConv2d: those of torch::nn::Conv2d (groups = 1) plus gather_output
+/// and group.
+struct ColumnParallelConv2dOptions {
+  static constexpr int64_t kShardDim = 0;
+  static constexpr const char* kName = "ColumnParallelConv2d";
+  ColumnParallelConv2dOptions(int64_t in_channels,
+                              int64_t out_channels,
+                              torch::ExpandingArray<2> kernel_size)
+      : conv_(in_channels, out_channels, kernel_size) {}
+  /// gather_output, under the name the layer template uses for either option.
+  bool flag() const { return gather_output_; }
+  /// The dense layer's options (in_channels, out_channels, kernel_size, stride, padding,
+  /// dilation, bias, padding_mode).
+  TORCH_ARG(torch::nn::Conv2dOptions, conv);
+  /// All-gather the output channels so every rank gets all of them.
+  TORCH_ARG(bool, gather_output) = false;
+  /// The tensor-parallel group; the default mesh's when null.
+  TORCH_ARG(GroupPtr, group) = {};
+};
+
+/// Options of RowParallelConv2d: those of torch::nn::Conv2d (groups = 1) plus input_is_parallel
+/// and group.
+struct RowParallelConv2dOptions {
+  static constexpr int64_t kShardDim = 1;
+  static constexpr const char* kName = "RowParallelConv2d";
+  RowParallelConv2dOptions(int64_t in_channels,
+                           int64_t out_channels,
+                           torch::ExpandingArray<2> kernel_size)
+      : conv_(in_channels, out_channels, kernel_size) {}
+  /// input_is_parallel, under the name the layer template uses for either option.
+  bool flag() const { return input_is_parallel_; }
+  /// The dense layer's options.
+  TORCH_ARG(torch::nn::Conv2dOptions, conv);
+  /// The input already holds this rank's in_channels / t channels.
+  TORCH_ARG(bool, input_is_parallel) = true;
+  /// The tensor-parallel group; the default mesh's when null.
+  TORCH_ARG(GroupPtr, group) = {};
+};
+
+/// A Conv2d whose output (Column) or input (Row) channels are split across the group.
+template <typename Options>
+class ParallelConv2dImpl : public torch::nn::Cloneable<ParallelConv2dImpl<Options>> {
+ public:
+  explicit ParallelConv2dImpl(Options options)
+      : ParallelConv2dImpl(std::move(options), /*initialise=*/true) {}
+
+  /// Checks the options and registers and initialises the parameters.
+  void reset() override;
+  /// Re-draws this rank's shard of a dense layer initialised as torch::nn::Conv2d is.
+  void reset_parameters();
+  /// Applies the layer (see column_parallel_conv2d / row_parallel_conv2d).
+  at::Tensor forward(const at::Tensor& input);
+  void pretty_print(std::ostream& stream) const override;
+
+  /// A layer whose parameters are allocated but not initialised (for modules that fill them).
+  static std::shared_ptr<ParallelConv2dImpl> uninitialised(Options options);
+  /// Shards `dense`; `options.conv()` must describe it.
+  static std::shared_ptr<ParallelConv2dImpl> from_dense(const torch::nn::Conv2d& dense,
+                                                        Options options);
+  /// The dense layer, gathered from every rank (a collective).
+  torch::nn::Conv2d to_dense() const;
+
+  Options options;
+  /// This rank's weight shard.
+  at::Tensor weight;
+  /// This rank's bias shard (Column) or the whole bias (Row); undefined without bias.
+  at::Tensor bias;
+
+ private:
+  ParallelConv2dImpl(Options options, bool initialise);
+  bool initialise_ = true;
+};
+
+using ColumnParallelConv2dImpl = ParallelConv2dImpl<ColumnParallelConv2dOptions>;
+using RowParallelConv2dImpl = ParallelConv2dImpl<RowParallelConv2dOptions>;
+extern template class ParallelConv2dImpl<ColumnParallelConv2dOptions>;
+extern template class ParallelConv2dImpl<RowParallelConv2dOptions>;
+
+/// Holder of ColumnParallelConv2dImpl, used like torch::nn::Conv2d.
+TORCH_MODULE(ColumnParallelConv2d);
+/// Holder of RowParallelConv2dImpl, used like torch::nn::Conv2d.
+TORCH_MODULE(RowParallelConv2d);
+
+}  // namespace torch_mp::tensor_parallel

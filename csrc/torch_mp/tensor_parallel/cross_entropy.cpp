@@ -1,0 +1,222 @@
+#include "torch_mp/tensor_parallel/cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <limits>
+
+#include "torch_mp/collectives.h"
+#include "torch_mp/tensor_parallel/embedding.h"
+
+#ifdef TORCH_MP_WITH_CUDA
+#include "torch_mp/cuda/cross_entropy.h"
+#endif
+
+namespace torch_mp::tensor_parallel {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The two passes over the shard. Shapes and meanings as in csrc/torch_mp/cuda/cross_entropy.h:
+// forward returns exp(z - max) (0 on padding) and per-row [sum exp, target logit - max,
+// sum (z - max)]; backward turns the exp buffer into the gradient in place.
+std::tuple<at::Tensor, at::Tensor> forward_pass(const at::Tensor& logits,
+                                                const at::Tensor& row_max,
+                                                const at::Tensor& target_local,
+                                                int64_t real_columns) {
+#ifdef TORCH_MP_WITH_CUDA
+  if (logits.is_cuda()) {
+    return cuda::vocab_cross_entropy_forward(logits, row_max, target_local, real_columns);
+  }
+#endif
+  // One shard-sized buffer: z - max, then exp(z - max) in place.
+  auto shifted = logits.to(at::kFloat) - row_max.unsqueeze(1);
+  const auto real = shifted.narrow(1, 0, real_columns);
+  // (A shard may hold padding only: V = 5 over 4 ranks gives rank 3 no real entry.)
+  const auto target_logit =
+      real_columns == 0 ? at::zeros({logits.size(0)}, shifted.options())
+                        : real.gather(1, target_local.clamp(0, real_columns - 1).unsqueeze(1))
+                              .squeeze(1)
+                              .masked_fill(target_local.lt(0), 0);
+  const auto sum_shifted = real.sum(1);
+  shifted.exp_();
+  shifted.narrow(1, real_columns, shifted.size(1) - real_columns).zero_();
+  const auto sum_exp = shifted.sum(1);
+  return {shifted.to(logits.scalar_type()), at::stack({sum_exp, target_logit, sum_shifted}, 1)};
+}
+
+void backward_pass_(at::Tensor& exp_logits,
+                    const at::Tensor& sum_exp,
+                    const at::Tensor& target_local,
+                    const at::Tensor& row_scale,
+                    double smoothing,
+                    int64_t vocab_size,
+                    int64_t real_columns) {
+#ifdef TORCH_MP_WITH_CUDA
+  if (exp_logits.is_cuda()) {
+    cuda::vocab_cross_entropy_backward_(
+        exp_logits, sum_exp, target_local, row_scale, smoothing, vocab_size, real_columns);
+    return;
+  }
+#endif
+  auto real = exp_logits.narrow(1, 0, real_columns);
+  real.div_(sum_exp.unsqueeze(1));
+  if (smoothing > 0) {
+    real.sub_(smoothing / static_cast<double>(vocab_size));
+  }
+  const auto here = target_local.ge(0);
+  const auto rows = at::arange(exp_logits.size(0), target_local.options()).masked_select(here);
+  const auto columns = target_local.masked_select(here);
+  exp_logits.index_put_({rows, columns},
+                        at::scalar_tensor(-(1.0 - smoothing), exp_logits.options()),
+                        /*accumulate=*/true);
+  real.mul_(row_scale.unsqueeze(1));
+}
+
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  // logits [N, V_local]; target [N]. Returns the per-row losses [N] (0 for ignored rows).
+  static at::Tensor forward(AutogradContext* ctx,
+                            const at::Tensor& logits,
+                            const at::Tensor& target,
+                            const GroupPtr& group,
+                            int64_t ignore_index,
+                            double smoothing,
+                            int64_t vocab_size) {
+    const VocabRange range = vocab_range(vocab_size, group);
+    const auto ignored = target.eq(ignore_index);
+    const auto here = target.ge(range.start)
+                          .logical_and_(target.lt(range.start + range.real))
+                          .logical_and_(ignored.logical_not());
+    const auto target_local = (target - range.start).masked_fill_(here.logical_not(), -1);
+
+    // The row max over the real entries of every shard.
+    auto row_max = range.real > 0 ? logits.narrow(1, 0, range.real).amax(1).to(at::kFloat)
+                                  : at::full({logits.size(0)},
+                                             -std::numeric_limits<float>::infinity(),
+                                             logits.options().dtype(at::kFloat));
+    row_max = comm::all_reduce(row_max, group, c10d::ReduceOp::MAX);
+
+    auto [exp_logits, stats] = forward_pass(logits, row_max, target_local, range.real);
+    stats = comm::all_reduce(stats, group);
+    const auto sum_exp = stats.select(1, 0);
+    const auto log_sum_exp = sum_exp.log();
+    auto loss = log_sum_exp - stats.select(1, 1);
+    if (smoothing > 0) {
+      const auto mean_neg_log_p =
+          log_sum_exp - stats.select(1, 2) / static_cast<double>(vocab_size);
+      loss = loss * (1.0 - smoothing) + mean_neg_log_p * smoothing;
+    }
+    loss.masked_fill_(ignored, 0);
+
+    ctx->save_for_backward({exp_logits, sum_exp, target_local, ignored});
+    ctx->saved_data["smoothing"] = smoothing;
+    ctx->saved_data["vocab_size"] = vocab_size;
+    ctx->saved_data["real"] = range.real;
+    return loss.to(logits.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!ctx->saved_data.count("done"),
+                "vocab_parallel_cross_entropy: backward ran twice through the same loss (the "
+                "saved softmax becomes the gradient); recompute the loss instead of "
+                "retain_graph=True");
+    ctx->saved_data["done"] = true;
+    const auto saved = ctx->get_saved_variables();
+    auto exp_logits = saved[0];
+    const auto row_scale = grads[0].to(at::kFloat).masked_fill(saved[3], 0).contiguous();
+    backward_pass_(exp_logits,
+                   saved[1],
+                   saved[2],
+                   row_scale,
+                   ctx->saved_data["smoothing"].toDouble(),
+                   ctx->saved_data["vocab_size"].toInt(),
+                   ctx->saved_data["real"].toInt());
+    return {exp_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Reduction::Reduction reduction_from_string(const std::string& reduction) {
+  if (reduction == "none") {
+    return at::Reduction::None;
+  }
+  if (reduction == "mean") {
+    return at::Reduction::Mean;
+  }
+  TORCH_CHECK(reduction == "sum",
+              "vocab_parallel_cross_entropy: reduction must be 'none', 'mean' or 'sum', got '",
+              reduction,
+              "'");
+  return at::Reduction::Sum;
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
+                                        const at::Tensor& target,
+                                        const GroupPtr& group,
+                                        int64_t ignore_index,
+                                        double label_smoothing,
+                                        at::Reduction::Reduction reduction,
+                                        std::optional<int64_t> vocab_size) {
+  TORCH_CHECK(group, "vocab_parallel_cross_entropy: no process group");
+  TORCH_CHECK(logits.dim() >= 1 && at::isFloatingType(logits.scalar_type()),
+              "vocab_parallel_cross_entropy: logits must be a floating-point tensor [..., V/t]");
+  TORCH_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+              "vocab_parallel_cross_entropy: target must have the logits' shape without the last "
+              "(vocabulary) dim: logits ",
+              logits.sizes(),
+              ", target ",
+              target.sizes());
+  TORCH_CHECK(!at::isFloatingType(target.scalar_type()),
+              "vocab_parallel_cross_entropy: target must hold class ids (an integer tensor); "
+              "probability targets are not supported");
+  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
+              "vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got ",
+              label_smoothing);
+  const int64_t local = logits.size(-1);
+  const int64_t vocab = vocab_size.value_or(local * group->getSize());
+  const VocabRange range = vocab_range(vocab, group);
+  TORCH_CHECK(range.rows == local,
+              "vocab_parallel_cross_entropy: a logit shard of ",
+              local,
+              " entries does not fit a vocabulary of ",
+              vocab,
+              " split over ",
+              group->getSize(),
+              " ranks (",
+              range.rows,
+              " per rank, padded)");
+  const auto flat_target = target.reshape({-1}).to(at::kLong);
+  const auto valid = flat_target.ne(ignore_index);
+  if (valid.any().item<bool>()) {
+    const auto ids = flat_target.masked_select(valid);
+    const auto [lowest, highest] = at::aminmax(ids);
+    TORCH_CHECK(lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < vocab,
+                "vocab_parallel_cross_entropy: target ids must be in [0, ",
+                vocab,
+                ") or ignore_index (",
+                ignore_index,
+                "), got ids in [",
+                lowest.item<int64_t>(),
+                ", ",
+                highest.item<int64_t>(),
+                "]");
+  }
+  const auto losses = VocabParallelCrossEntropy::apply(logits.reshape({-1, local}).contiguous(),
+                                                       flat_target,
+                                                       group,
+                                                       ignore_index,
+                                                       label_smoothing,
+                                                       vocab);
+  switch (reduction) {
+    case at::Reduction::None:
+      return losses.view(target.sizes());
+    case at::Reduction::Sum:
+      return losses.sum();
+    default:
+      return losses.sum() / valid.sum().to(losses.scalar_type());
+  }
+}
+
+}  // namespace torch_mp::tensor_parallel

@@ -1,0 +1,42 @@
+#pragma once
+// Cross-entropy over logits whose last (vocabulary) dim is split across the tensor-parallel group,
+// computed without gathering them: per-rank memory stays O(rows x vocab / t).
+//
+// Forward: the row max (one MAX all-reduce), then one pass over the shard for the sum of exp, the
+// target's logit and the sum of logits (one SUM all-reduce of [rows, 3]). The exp values are kept
+// for backward, which turns them into the gradient in place (one pass). On CUDA tensors both
+// passes are fused kernels (csrc/torch_mp/cuda/cross_entropy.cu) when torch_mp was built with
+// CUDA; the ATen code here is the CPU path and the reference.
+
+#include <ATen/core/Reduction.h>
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+#include "torch_mp/process_groups.h"
+
+namespace torch_mp::tensor_parallel {
+
+/// Equals torch.nn.functional.cross_entropy(gathered_logits.flatten(0, -2), target.flatten(),
+/// ignore_index=..., label_smoothing=..., reduction=...) reshaped as `target` for reduction
+/// None, where gathered_logits is the ranks' `logits` [..., V_local] concatenated along the last
+/// dim and cut to `vocab_size` entries.
+///
+/// `vocab_size` is the real vocabulary size when the shards are padded (as a
+/// VocabParallelEmbedding's are: ceil(V / t) entries per rank); padded entries get no
+/// probability and a zero gradient. Without it, every entry of every shard is vocabulary.
+/// `target` [...] holds class ids in [0, vocab_size) or `ignore_index` and must be the same on
+/// every rank. Backward may run once per forward (the exp buffer becomes the gradient).
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
+                                        const at::Tensor& target,
+                                        const GroupPtr& group,
+                                        int64_t ignore_index = -100,
+                                        double label_smoothing = 0.0,
+                                        at::Reduction::Reduction reduction = at::Reduction::Mean,
+                                        std::optional<int64_t> vocab_size = std::nullopt);
+
+/// "none", "mean" or "sum" as at::Reduction (raises on anything else).
+at::Reduction::Reduction reduction_from_string(const std::string& reduction);
+
+}  // namespace torch_mp::tensor_parallel

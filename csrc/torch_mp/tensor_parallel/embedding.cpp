@@ -1,0 +1,211 @@
+#include "torch_mp/tensor_parallel/embedding.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "torch_mp/collectives.h"
+#include "torch_mp/tensor_parallel/sharding.h"
+
+namespace torch_mp::tensor_parallel {
+namespace {
+
+std::optional<int64_t> normalised_padding_idx(std::optional<int64_t> padding_idx,
+                                              int64_t num_embeddings) {
+  if (!padding_idx) {
+    return std::nullopt;
+  }
+  TORCH_CHECK(*padding_idx < num_embeddings && *padding_idx >= -num_embeddings,
+              "VocabParallelEmbedding: padding_idx (",
+              *padding_idx,
+              ") must be within num_embeddings (",
+              num_embeddings,
+              ")");
+  return *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
+}
+
+}  // namespace
+
+VocabRange vocab_range(int64_t vocab_size, int64_t rank, int64_t size) {
+  TORCH_CHECK(vocab_size > 0 && size > 0 && rank >= 0 && rank < size,
+              "torch_mp: a vocabulary of ",
+              vocab_size,
+              " entries cannot be split over ",
+              size,
+              " ranks (rank ",
+              rank,
+              ")");
+  const int64_t rows = (vocab_size + size - 1) / size;
+  const int64_t start = rank * rows;
+  return {start, rows, std::clamp<int64_t>(vocab_size - start, 0, rows)};
+}
+
+VocabRange vocab_range(int64_t vocab_size, const GroupPtr& group) {
+  return vocab_range(vocab_size, group->getRank(), group->getSize());
+}
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& input,
+                                    const at::Tensor& weight,
+                                    int64_t num_embeddings,
+                                    std::optional<int64_t> padding_idx,
+                                    const GroupPtr& group) {
+  const VocabRange range = vocab_range(num_embeddings, group);
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == range.rows,
+              "VocabParallelEmbedding: the weight shard has ",
+              weight.size(0),
+              " rows but a vocabulary of ",
+              num_embeddings,
+              " split over ",
+              group->getSize(),
+              " ranks needs ",
+              range.rows,
+              " per rank; the layer was built for a different group size");
+  TORCH_CHECK(!at::isFloatingType(input.scalar_type()) && !input.is_complex(),
+              "VocabParallelEmbedding: expected integer ids, got ",
+              input.scalar_type());
+  if (input.numel() > 0) {
+    const auto [lowest, highest] = at::aminmax(input);
+    TORCH_CHECK(lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < num_embeddings,
+                "VocabParallelEmbedding: ids must be in [0, ",
+                num_embeddings,
+                "), got ids in [",
+                lowest.item<int64_t>(),
+                ", ",
+                highest.item<int64_t>(),
+                "]");
+  }
+  padding_idx = normalised_padding_idx(padding_idx, num_embeddings);
+  int64_t local_padding_idx = -1;
+  if (padding_idx && *padding_idx >= range.start && *padding_idx < range.start + range.real) {
+    local_padding_idx = *padding_idx - range.start;
+  }
+  if (group->getSize() == 1) {
+    return at::embedding(weight, input, local_padding_idx);
+  }
+  // Ids of other ranks look up row 0 and are then zeroed (their gradient with them).
+  const auto elsewhere = input.lt(range.start).logical_or_(input.ge(range.start + range.real));
+  const auto local_ids = (input - range.start).masked_fill_(elsewhere, 0);
+  const auto partial =
+      at::embedding(weight, local_ids, local_padding_idx).masked_fill(elsewhere.unsqueeze(-1), 0);
+  return reduce_from_tp(partial, group);
+}
+
+void check_vocab_parallel_embedding(int64_t num_embeddings,
+                                    int64_t embedding_dim,
+                                    std::optional<int64_t> padding_idx,
+                                    const GroupPtr& group) {
+  comm::check_same_across_ranks(
+      {num_embeddings, embedding_dim, padding_idx.has_value(), padding_idx.value_or(0)},
+      group,
+      "VocabParallelEmbedding configuration [num_embeddings, embedding_dim, has padding_idx, "
+      "padding_idx]");
+  TORCH_CHECK(num_embeddings > 0 && embedding_dim >= 0,
+              "VocabParallelEmbedding: num_embeddings must be positive and embedding_dim "
+              "non-negative, got ",
+              num_embeddings,
+              " and ",
+              embedding_dim);
+  normalised_padding_idx(padding_idx, num_embeddings);
+}
+
+void init_vocab_parallel_embedding_(at::Tensor& weight,
+                                    int64_t num_embeddings,
+                                    std::optional<int64_t> padding_idx,
+                                    const GroupPtr& group) {
+  at::NoGradGuard no_grad;
+  // The dense table drawn as nn.Embedding draws it, then our rows kept.
+  auto dense = at::empty({num_embeddings, weight.size(1)}, weight.options()).normal_();
+  if (const auto row = normalised_padding_idx(padding_idx, num_embeddings)) {
+    dense[*row].zero_();
+  }
+  load_dense_embedding_(weight, dense, group);
+}
+
+void load_dense_embedding_(at::Tensor& weight, const at::Tensor& dense, const GroupPtr& group) {
+  const VocabRange range = vocab_range(dense.size(0), group);
+  TORCH_CHECK(dense.dim() == 2 && weight.dim() == 2 && weight.size(0) == range.rows &&
+                  weight.size(1) == dense.size(1),
+              "VocabParallelEmbedding: a [",
+              weight.size(0),
+              ", ",
+              weight.size(-1),
+              "] shard cannot hold its part of a dense table of shape ",
+              dense.sizes());
+  at::NoGradGuard no_grad;
+  weight.zero_();
+  if (range.real > 0) {  // the last ranks of a small vocabulary may hold padding only
+    weight.narrow(0, 0, range.real).copy_(dense.narrow(0, range.start, range.real));
+  }
+}
+
+at::Tensor gather_dense_embedding(const at::Tensor& weight,
+                                  int64_t num_embeddings,
+                                  const GroupPtr& group) {
+  return unshard(weight, 0, group).narrow(0, 0, num_embeddings).clone();
+}
+
+// ---- VocabParallelEmbedding ------------------------------------------------------------------
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions options_,
+                                                       bool initialise)
+    : options(std::move(options_)), initialise_(initialise) {
+  reset();
+}
+
+void VocabParallelEmbeddingImpl::reset() {
+  options.group(tp_group_or_default(options.group()));
+  check_vocab_parallel_embedding(
+      options.num_embeddings(), options.embedding_dim(), options.padding_idx(), options.group());
+  options.padding_idx(normalised_padding_idx(options.padding_idx(), options.num_embeddings()));
+  const VocabRange range = vocab_range(options.num_embeddings(), options.group());
+  weight = register_parameter("weight", at::empty({range.rows, options.embedding_dim()}));
+  if (initialise_) {
+    reset_parameters();
+  }
+}
+
+void VocabParallelEmbeddingImpl::reset_parameters() {
+  init_vocab_parallel_embedding_(
+      weight, options.num_embeddings(), options.padding_idx(), options.group());
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& input) {
+  return vocab_parallel_embedding(
+      input, weight, options.num_embeddings(), options.padding_idx(), options.group());
+}
+
+void VocabParallelEmbeddingImpl::pretty_print(std::ostream& stream) const {
+  stream << "torch_mp::VocabParallelEmbedding(num_embeddings=" << options.num_embeddings()
+         << ", embedding_dim=" << options.embedding_dim();
+  if (options.padding_idx()) {
+    stream << ", padding_idx=" << *options.padding_idx();
+  }
+  stream << ", tp_size=" << options.group()->getSize() << ")";
+}
+
+VocabParallelEmbedding VocabParallelEmbeddingImpl::from_dense(const torch::nn::Embedding& dense,
+                                                              GroupPtr group) {
+  const auto& dense_options = dense->options;
+  TORCH_CHECK(
+      !dense_options.max_norm() && !dense_options.scale_grad_by_freq() && !dense_options.sparse(),
+      "VocabParallelEmbedding.from_dense: max_norm, scale_grad_by_freq and sparse are "
+      "not supported");
+  auto options =
+      VocabParallelEmbeddingOptions(dense_options.num_embeddings(), dense_options.embedding_dim())
+          .padding_idx(dense_options.padding_idx())
+          .group(std::move(group));
+  VocabParallelEmbedding layer(std::shared_ptr<VocabParallelEmbeddingImpl>(
+      new VocabParallelEmbeddingImpl(std::move(options), /*initialise=*/false)));
+  layer->weight.set_data(layer->weight.data().to(dense->weight.options()));
+  load_dense_embedding_(layer->weight, dense->weight, layer->options.group());
+  return layer;
+}
+
+torch::nn::Embedding VocabParallelEmbeddingImpl::to_dense() const {
+  auto dense_weight = gather_dense_embedding(weight, options.num_embeddings(), options.group());
+  auto dense_options =
+      torch::nn::EmbeddingFromPretrainedOptions().freeze(false).padding_idx(options.padding_idx());
+  return torch::nn::Embedding::from_pretrained(dense_weight, dense_options);
+}
+
+}  // namespace torch_mp::tensor_parallel

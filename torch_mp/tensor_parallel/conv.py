@@ -1,0 +1,277 @@
+"""Channel-parallel ``Conv2d`` layers.
+
+Thin ``nn.Module`` wrappers over the C++ core (csrc/torch_mp/tensor_parallel/conv.h)::
+
+    ColumnParallelConv2d   output channels split: weight [out/t, in, kh, kw], bias [out/t]
+    RowParallelConv2d      input channels split:  weight [out, in/t, kh, kw], partial outputs
+                           all-reduced, then the (whole) bias added once
+
+They take every argument ``nn.Conv2d`` takes with ``groups=1`` (stride, padding as numbers or
+``"same"``/``"valid"``, dilation, padding_mode ``"zeros"``/``"reflect"``/``"replicate"``/
+``"circular"``), on NCHW or unbatched CHW input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.utils import _pair
+
+from torch_mp import _C
+from torch_mp.mesh import get_mesh
+
+
+class _ParallelConv2d(nn.Module):
+    """What the two layers share; subclasses set ``_SHARD_DIM`` and ``_flag``."""
+
+    _SHARD_DIM: int
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        groups: int,
+        bias: bool,
+        padding_mode: str,
+        group: dist.ProcessGroup | None,
+        device,
+        dtype,
+    ) -> None:
+        super().__init__()
+        self.group = group if group is not None else get_mesh().tp_group
+        self.tp_size = dist.get_world_size(self.group)
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size, self.stride, self.dilation = (
+            _pair(kernel_size),
+            _pair(stride),
+            _pair(dilation),
+        )
+        self.padding = padding if isinstance(padding, str) else _pair(padding)
+        self.groups, self.padding_mode = groups, padding_mode
+        self._geometry = _C.Conv2dGeometry(
+            in_channels,
+            out_channels,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+            groups,
+            bias,
+            padding_mode,
+        )
+        _C.check_parallel_conv2d(self._geometry, self._SHARD_DIM, self._flag, self.group.group_name)
+        shape = [out_channels, in_channels, *self.kernel_size]
+        shape[self._SHARD_DIM] //= self.tp_size
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(shape, **factory))
+        if bias:
+            bias_size = shape[0] if self._SHARD_DIM == 0 else out_channels
+            self.bias = nn.Parameter(torch.empty(bias_size, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @property
+    def _flag(self) -> bool:
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """Draws this rank's shard of a dense layer initialised exactly as ``nn.Conv2d`` is."""
+        _C.init_sharded_like_dense_(self.weight, self.bias, self._SHARD_DIM, self.group.group_name)
+
+    @classmethod
+    def from_dense(cls, conv: nn.Conv2d, group: dist.ProcessGroup | None = None, **kwargs):
+        """Shards a dense ``nn.Conv2d`` (device and dtype kept, no random draws).
+
+        ``kwargs`` are the parallel options (``gather_output`` / ``input_is_parallel``).
+        """
+        layer = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+            group=group,
+            device="meta",
+            **kwargs,
+        )
+        layer.to_empty(device=conv.weight.device)
+        layer.to(dtype=conv.weight.dtype)
+        _C.load_dense_linear_(
+            layer.weight, layer.bias, conv.weight, conv.bias, cls._SHARD_DIM, layer.group.group_name
+        )
+        return layer
+
+    def to_dense(self) -> nn.Conv2d:
+        """Gathers the shards into a dense ``nn.Conv2d`` on every rank (a collective)."""
+        dense = nn.Conv2d(
+            self.in_channels,
+            self.out_channels,
+            self.kernel_size,
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            groups=self.groups,
+            bias=self.bias is not None,
+            padding_mode=self.padding_mode,
+            device="meta",
+        ).to_empty(device=self.weight.device)
+        dense.to(dtype=self.weight.dtype)
+        weight, bias = _C.gather_dense_linear(
+            self.weight, self.bias, self._SHARD_DIM, self.group.group_name
+        )
+        with torch.no_grad():
+            dense.weight.copy_(weight)
+            if bias is not None:
+                dense.bias.copy_(bias)
+        return dense
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
+            f"bias={self.bias is not None}, padding_mode={self.padding_mode!r}, "
+            f"tp_size={self.tp_size}"
+        )
+
+
+class ColumnParallelConv2d(_ParallelConv2d):
+    """An ``nn.Conv2d`` whose output channels are split across the tensor-parallel group.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+        padding_mode: As for ``nn.Conv2d`` (``groups`` must be 1; ``out_channels`` divisible by
+            the group size).
+        gather_output: All-gather the output channels so every rank gets all of them; otherwise
+            each rank returns its ``out_channels / t`` (the usual input of a
+            :class:`RowParallelConv2d`).
+        group: The tensor-parallel group; the default mesh's when None.
+        device, dtype: Where and in what type to create the parameters.
+
+    Raises:
+        RuntimeError: If ``out_channels`` is not divisible by the group size, the geometry is
+            invalid, or ranks disagree on the arguments.
+    """
+
+    _SHARD_DIM = 0
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        gather_output: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        self.gather_output = gather_output
+        super().__init__(
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            group,
+            device,
+            dtype,
+        )
+
+    @property
+    def _flag(self) -> bool:
+        return self.gather_output
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _C.column_parallel_conv2d(
+            input, self.weight, self.bias, self._geometry, self.gather_output, self.group.group_name
+        )
+
+
+class RowParallelConv2d(_ParallelConv2d):
+    """An ``nn.Conv2d`` whose input channels are split across the tensor-parallel group.
+
+    The partial outputs of the ranks are summed (all-reduce) and the bias, whole on every rank,
+    is added once after the sum.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+        padding_mode: As for ``nn.Conv2d`` (``groups`` must be 1; ``in_channels`` divisible by
+            the group size).
+        input_is_parallel: The input already holds this rank's ``in_channels / t`` channels (as a
+            :class:`ColumnParallelConv2d` returns them); otherwise it is split here.
+        group: The tensor-parallel group; the default mesh's when None.
+        device, dtype: Where and in what type to create the parameters.
+
+    Raises:
+        RuntimeError: If ``in_channels`` is not divisible by the group size, the geometry is
+            invalid, or ranks disagree on the arguments.
+    """
+
+    _SHARD_DIM = 1
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        input_is_parallel: bool = True,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        self.input_is_parallel = input_is_parallel
+        super().__init__(
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            group,
+            device,
+            dtype,
+        )
+
+    @property
+    def _flag(self) -> bool:
+        return self.input_is_parallel
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _C.row_parallel_conv2d(
+            input,
+            self.weight,
+            self.bias,
+            self._geometry,
+            self.input_is_parallel,
+            self.group.group_name,
+        )

@@ -1,0 +1,157 @@
+"""Vocabulary-parallel embedding and cross-entropy.
+
+The vocabulary (rows of the embedding table, last dim of the logits) is split across the
+tensor-parallel group. A vocabulary size the group size does not divide is padded: every rank
+holds ``ceil(V / t)`` rows, the rows past ``V`` are zero, never looked up, and get no probability
+in :func:`vocab_parallel_cross_entropy`. The math is the C++ core's
+(csrc/torch_mp/tensor_parallel/embedding.h, cross_entropy.h).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_mp import _C
+from torch_mp.mesh import get_mesh, tp_group_name
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose vocabulary is split across the tensor-parallel group.
+
+    Each rank looks up the ids it owns, writes zeros for the others, and the results are summed
+    over the group, so every rank gets the embeddings of all ids.
+
+    Args:
+        num_embeddings: Size of the vocabulary; any size (padded to a multiple of the group size).
+        embedding_dim: Size of each embedding vector.
+        padding_idx: An id whose row is initialised to zero and gets no gradient, as in
+            ``nn.Embedding`` (negative values count from the end).
+        group: The tensor-parallel group; the default mesh's (``torch_mp.init``) when None.
+        device, dtype: Where and in what type to create the table.
+
+    Attributes:
+        weight: This rank's ``[ceil(num_embeddings / t), embedding_dim]`` rows.
+        vocab_start_index: The first id this rank owns.
+        num_embeddings_per_partition: ``ceil(num_embeddings / t)``.
+
+    Raises:
+        RuntimeError: If ranks disagree on the arguments, padding_idx is out of range, or (in
+            forward) an id is outside ``[0, num_embeddings)``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = group if group is not None else get_mesh().tp_group
+        self.tp_size = dist.get_world_size(self.group)
+        _C.check_vocab_parallel_embedding(
+            num_embeddings, embedding_dim, padding_idx, self.group.group_name
+        )
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        start, rows, _ = _C.vocab_range(num_embeddings, self.group.group_name)
+        self.vocab_start_index = start
+        self.num_embeddings_per_partition = rows
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Draws this rank's rows of a table initialised exactly as ``nn.Embedding`` does (ranks
+        seeded alike hold one table, equal to the ``nn.Embedding`` that seed gives)."""
+        _C.init_vocab_parallel_embedding_(
+            self.weight, self.num_embeddings, self.padding_idx, self.group.group_name
+        )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return _C.vocab_parallel_embedding(
+            input, self.weight, self.num_embeddings, self.padding_idx, self.group.group_name
+        )
+
+    @classmethod
+    def from_dense(
+        cls, embedding: nn.Embedding, group: dist.ProcessGroup | None = None
+    ) -> VocabParallelEmbedding:
+        """Shards a dense ``nn.Embedding`` (its device and dtype are kept; no random draws)."""
+        if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            raise ValueError(
+                "VocabParallelEmbedding.from_dense: max_norm, scale_grad_by_freq and sparse are "
+                "not supported"
+            )
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            padding_idx=embedding.padding_idx,
+            group=group,
+            device="meta",
+        )
+        layer.to_empty(device=embedding.weight.device)
+        layer.to(dtype=embedding.weight.dtype)
+        _C.load_dense_embedding_(layer.weight, embedding.weight, layer.group.group_name)
+        return layer
+
+    def to_dense(self) -> nn.Embedding:
+        """Gathers the table into a dense ``nn.Embedding`` on every rank (a collective)."""
+        weight = _C.gather_dense_embedding(self.weight, self.num_embeddings, self.group.group_name)
+        return nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.padding_idx)
+
+    def extra_repr(self) -> str:
+        s = f"{self.num_embeddings}, {self.embedding_dim}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        return s + f", tp_size={self.tp_size}"
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    group: dist.ProcessGroup | None = None,
+    *,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy over logits split along the last (vocabulary) dim, never gathered.
+
+    Equals ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ignore_index=...,
+    label_smoothing=..., reduction=...)`` (reshaped as ``target`` for ``reduction="none"``),
+    where ``full_logits`` is the ranks' ``logits`` concatenated along the last dim. Each rank
+    keeps one shard-sized buffer (the softmax numerators, reused for the gradient) and
+    exchanges ``3 x rows + rows`` numbers, not the logits.
+
+    Args:
+        logits: This rank's ``[..., V_local]`` shard.
+        target: Class ids ``[...]``, the same on every rank, in ``[0, vocab_size)`` or
+            ``ignore_index``.
+        ignore_index: Target value that contributes neither loss nor gradient.
+        label_smoothing: As in ``F.cross_entropy``, spread over the ``vocab_size`` real classes.
+        reduction: ``"mean"`` (over non-ignored targets), ``"sum"`` or ``"none"``.
+        group: The tensor-parallel group; the default mesh's when None.
+        vocab_size: The real vocabulary size when shards are padded (as a
+            :class:`VocabParallelEmbedding`'s are); padded entries get no probability. Default:
+            every entry of every shard is vocabulary.
+
+    Backward may run once per forward (the saved softmax becomes the gradient in place).
+    """
+    return _C.vocab_parallel_cross_entropy(
+        logits,
+        target,
+        ignore_index,
+        label_smoothing,
+        reduction,
+        vocab_size,
+        tp_group_name(group),
+    )
