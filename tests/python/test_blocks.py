@@ -99,6 +99,9 @@ def _layer_norm_gradients_need_the_sum() -> None:
     sp(x.chunk(t, 0)[r]).pow(2).sum().backward()
     assert_close(sp.weight.grad, dense.weight.grad, "weight gradient", GRAD_ATOL)
     assert_close(sp.bias.grad, dense.bias.grad, "bias gradient", GRAD_ATOL)
+    with torch.no_grad():
+        dense.weight.add_(1.0)
+    assert not torch.equal(sp.weight, dense.weight), "from_dense must copy, not share"
 
 
 def test_sequence_parallel_layer_norm_gradients_equal_dense(world):

@@ -1,4 +1,4 @@
-"""The Python example, launched for real with torchrun, agrees with its one-process reference."""
+"""The Python examples, launched for real with torchrun, agree with their one-process references."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_tp_mlp_example_under_torchrun(nproc):
+def _run_example(script: str, nproc: int, *args: str) -> str:
+    """Runs ``examples/python/<script>`` on ``nproc`` Gloo ranks; returns its stdout once it has
+    exited 0 and reported agreement with its reference."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     result = subprocess.run(
         [
@@ -22,9 +23,8 @@ def test_tp_mlp_example_under_torchrun(nproc):
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
-            str(ROOT / "examples/python/tp_mlp.py"),
-            "--steps",
-            "3",
+            str(ROOT / "examples/python" / script),
+            *args,
         ],
         env=env,
         capture_output=True,
@@ -32,6 +32,30 @@ def test_tp_mlp_example_under_torchrun(nproc):
         timeout=180,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"tensor-parallel MLP on {nproc} rank(s)" in result.stdout
-    assert "step 3: loss" in result.stdout
     assert "agreement with the one-process reference" in result.stdout and ": OK" in result.stdout
+    return result.stdout
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tp_mlp_example_under_torchrun(nproc):
+    stdout = _run_example("tp_mlp.py", nproc, "--steps", "3")
+    assert f"tensor-parallel MLP on {nproc} rank(s)" in stdout
+    assert "step 3: loss" in stdout
+
+
+@pytest.mark.parametrize("nproc, sequence_parallel", [(2, False), (4, True)], ids=["2", "4-sp"])
+def test_tp_gpt_example_under_torchrun(nproc, sequence_parallel):
+    flags = ["--sequence-parallel"] if sequence_parallel else []
+    stdout = _run_example("tp_gpt.py", nproc, "--steps", "3", *flags)
+    mode = "on" if sequence_parallel else "off"
+    assert f"tensor-parallel GPT on {nproc} rank(s), sequence parallel {mode}" in stdout
+    rows = -(-1001 // nproc)  # the default vocabulary, padded to a multiple of the ranks
+    assert f"vocabulary 1001 padded to {rows * nproc} ({rows} rows per rank)" in stdout
+    assert "step 3: loss" in stdout
+
+
+@pytest.mark.parametrize("nproc", [2])
+def test_tp_cnn_example_under_torchrun(nproc):
+    stdout = _run_example("tp_cnn.py", nproc, "--steps", "3")
+    assert f"tensor-parallel CNN on {nproc} rank(s)" in stdout
+    assert "step 3: loss" in stdout

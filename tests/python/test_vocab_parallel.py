@@ -161,3 +161,29 @@ def test_cross_entropy_errors(world2):
         assert "reduction must be 'none', 'mean' or 'sum'" in reduction
         assert "does not fit a vocabulary of 3" in vocab
         assert "backward ran twice" in twice
+
+
+def _cross_entropy_peak_memory() -> tuple[int, int]:
+    """Forward + backward allocate one shard-sized buffer (the softmax numerators, turned into
+    the gradient in place) plus O(rows) bookkeeping: never the gathered logits."""
+    from torch_mp._memory import PeakMemory
+
+    use_mesh(dist.get_world_size())
+    rows_n, vocab = 256, 1001
+    _, rows, _ = _C.vocab_range(vocab, torch_mp.get_mesh().tp_group.group_name)
+    logits = torch.randn(rows_n, rows, requires_grad=True)
+    target = torch.randint(0, vocab, (rows_n,))
+    with PeakMemory() as memory:
+        torch_mp.vocab_parallel_cross_entropy(logits, target, vocab_size=vocab).backward()
+    shard_bytes = rows_n * rows * 4
+    assert memory.peak <= shard_bytes + 64 * rows_n * 4, (memory.peak, shard_bytes)
+    with PeakMemory() as dense_memory:  # for scale: the one-process loss on all the logits
+        F.cross_entropy(torch.randn(rows_n, vocab, requires_grad=True), target).backward()
+    return memory.peak, dense_memory.peak
+
+
+def test_cross_entropy_peak_memory_is_one_shard(world):
+    peaks = world.run(_cross_entropy_peak_memory)
+    t = len(peaks)
+    for parallel, dense in peaks:
+        assert parallel < dense / (2 * t), (parallel, dense)

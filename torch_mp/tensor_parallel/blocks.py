@@ -100,7 +100,7 @@ class LayerNorm(nn.LayerNorm):
             group,
             device="meta",
         )
-        layer.load_state_dict(norm.state_dict(), assign=True)
+        layer.load_state_dict({k: v.clone() for k, v in norm.state_dict().items()}, assign=True)
         return layer
 
 
