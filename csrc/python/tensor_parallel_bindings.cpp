@@ -282,7 +282,8 @@ void bind_tensor_parallel(py::module_& m) {
         py::arg("heads_local"),
         py::arg("attn_mask"),
         py::arg("is_causal"),
-        py::arg("dropout_p"));
+        py::arg("dropout_p"),
+        py::arg("first_head"));
   m.def("region_dropout", &tp::region_dropout, py::arg("x"), py::arg("p"), py::arg("training"));
   m.def("activation", &tp::activation, py::arg("x"), py::arg("name"));
   m.def(

@@ -2,6 +2,7 @@
 // torch_mp for LibTorch applications: include this one header and link torch_mp::torch_mp.
 
 #include "torch_mp/collectives.h"                    // IWYU pragma: export
+#include "torch_mp/dense.h"                          // IWYU pragma: export
 #include "torch_mp/mesh.h"                           // IWYU pragma: export
 #include "torch_mp/pipeline/executor.h"              // IWYU pragma: export
 #include "torch_mp/pipeline/partition.h"             // IWYU pragma: export

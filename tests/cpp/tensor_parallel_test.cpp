@@ -582,6 +582,41 @@ TEST_P(TensorParallel, ConvBlockFromDenseMatchesDenseInTraining) {
   });
 }
 
+TEST_P(TensorParallel, BlocksShardTheDenseModulesOfTorchMpAndLibTorch) {
+  on_every_rank(world(), [](const Mesh& mesh) {
+    const std::string where = "rank " + std::to_string(mesh.rank);
+    // dense::MLP -> ParallelMLP.
+    dense::MLP mlp(dense::MLPOptions(8, 16).activation("relu"));
+    randomise_parameters(*mlp, 91, 0.5);
+    auto parallel_mlp = tensor_parallel::ParallelMLPImpl::from_dense(
+        mlp, tensor_parallel::ParallelMLPOptions(8, 16).group(mesh.tp_group));
+    const at::Tensor x = at::randn({5, 2, 8}, seeded_generator(92));
+    EXPECT_EQ(parallel_mlp->options.activation(), "relu") << where;
+    EXPECT_TRUE(close(parallel_mlp(x), mlp(x))) << "MLP output, " << where;
+
+    // dense::ConvBlock -> ParallelConvBlock (evaluation mode: running statistics).
+    dense::ConvBlock block(dense::ConvBlockOptions(kConvIn, kConvMid, kConvOut));
+    randomise_parameters(*block, 93, 0.5);
+    block->eval();
+    auto parallel_block = tensor_parallel::ParallelConvBlockImpl::from_dense(block, mesh.tp_group);
+    parallel_block->eval();
+    const at::Tensor images = conv_input();
+    EXPECT_TRUE(close(parallel_block(images), block(images))) << "conv block output, " << where;
+
+    // MultiheadAttention -> ParallelSelfAttention -> back.
+    torch::nn::MultiheadAttention attention(torch::nn::MultiheadAttentionOptions(16, 4));
+    randomise_parameters(*attention, 94, 0.5);
+    auto parallel_attention = tensor_parallel::ParallelSelfAttentionImpl::from_dense(
+        attention, tensor_parallel::ParallelSelfAttentionOptions(16, 4).group(mesh.tp_group));
+    const at::Tensor tokens = at::randn({6, 2, 16}, seeded_generator(95));
+    const auto [expected, weights] = attention(tokens, tokens, tokens);
+    EXPECT_TRUE(close(parallel_attention(tokens), expected)) << "attention output, " << where;
+    const auto back = parallel_attention->to_dense();
+    EXPECT_TRUE(at::equal(back->in_proj_weight, attention->in_proj_weight)) << where;
+    EXPECT_TRUE(at::equal(back->out_proj->weight, attention->out_proj->weight)) << where;
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes,
                          TensorParallel,
                          ::testing::Values(1, 2, 4),

@@ -195,3 +195,102 @@ def test_head_and_channel_counts_not_divisible_raise(world4):
         assert "out_features (30) must be divisible by the tensor-parallel size (4)" in ffn
         assert "out_channels (6) must be divisible by the tensor-parallel size (4)" in channels
         assert "hidden_size (12) must be divisible by num_heads (5)" in head_dim
+
+
+def _three_d_mask_and_dropout() -> None:
+    """A [b * num_heads, s, s] mask (each head its own) as nn.MultiheadAttention takes it; and
+    dropout in training: replicated outputs stay identical across ranks (shared stream), while
+    the shards draw from the per-rank stream."""
+    mesh = use_mesh(dist.get_world_size())
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(HIDDEN, HEADS)
+    seq = 6
+    x = rank_tensor(1, 0, seq, BATCH, HIDDEN)
+    mask = torch.rand(BATCH * HEADS, seq, seq, generator=torch.Generator().manual_seed(5)) > 0.6
+    mask[:, :, 0] = False  # every query may attend somewhere
+    expected, _ = attention(x, x, x, attn_mask=mask, need_weights=False)
+    parallel = torch_mp.ParallelSelfAttention.from_dense(attention)
+    assert_close(parallel(x, attn_mask=mask), expected, "3-d mask output")
+
+    torch_mp.random.manual_seed(11)
+    layer = torch_mp.ParallelTransformerLayer(HIDDEN, HEADS, FFN, dropout=0.3)
+    y = layer(x)
+    everyone = [torch.empty_like(y) for _ in range(mesh.tp_size)]
+    dist.all_gather(everyone, y.detach())
+    for other in everyone:
+        assert torch.equal(other, y), "replicated output differs between ranks"
+    layer.eval()
+    assert not torch.equal(layer(x), y), "dropout had no effect in training"
+
+
+def test_three_d_masks_and_dropout(world):
+    world.run(_three_d_mask_and_dropout)
+
+
+def _default_init_equals_seeded_dense() -> None:
+    """Ranks seeded alike hold parts of the dense module the same seed gives."""
+    mesh = use_mesh(dist.get_world_size())
+    t, r = mesh.tp_size, mesh.tp_rank
+    torch.manual_seed(6)
+    layer = torch_mp.ParallelTransformerLayer(HIDDEN, HEADS, FFN, norm_first=True)
+    torch.manual_seed(6)
+    dense = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, norm_first=True)
+    back = layer.self_attn.to_dense()
+    assert torch.equal(back.in_proj_weight, dense.self_attn.in_proj_weight)
+    assert torch.equal(layer.mlp.fc1.weight, dense.linear1.weight.chunk(t, 0)[r])
+    assert torch.equal(layer.mlp.fc2.weight, dense.linear2.weight.chunk(t, 1)[r])
+    torch.manual_seed(7)
+    block = torch_mp.ParallelConvBlock(3, 8, 5)
+    torch.manual_seed(7)
+    dense_block = torch_mp.dense.ConvBlock(3, 8, 5)
+    assert torch.equal(block.conv1.to_dense().weight, dense_block.conv1.weight)
+    assert torch.equal(block.conv2.to_dense().bias, dense_block.conv2.bias)
+    torch.manual_seed(8)
+    mlp = torch_mp.ParallelMLP(HIDDEN, FFN)
+    torch.manual_seed(8)
+    dense_mlp = torch_mp.dense.MLP(HIDDEN, FFN)
+    assert torch.equal(mlp.fc2.to_dense().weight, dense_mlp.fc2.weight)
+
+
+def test_default_init_equals_the_seeded_dense_modules(world):
+    world.run(_default_init_equals_seeded_dense)
+
+
+def _block_config_differs_between_ranks() -> list[str | None]:
+    use_mesh(dist.get_world_size())
+    first = dist.get_rank() == 0
+    tanh = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, activation=nn.GELU(approximate="tanh"))
+    return [
+        error_of(torch_mp.ParallelTransformerLayer, HIDDEN, HEADS, FFN, norm_first=first),
+        error_of(torch_mp.ParallelMLP, HIDDEN, FFN, activation="gelu" if first else "swish"),
+        error_of(torch_mp.ParallelSelfAttention, HIDDEN, HEADS, dropout=0.1 if first else 0.0),
+        error_of(torch_mp.ParallelTransformerLayer.from_dense, tanh),
+    ]
+
+
+def test_block_configs_that_differ_between_ranks_raise_on_every_rank(world2):
+    for norm_first, activation, dropout, tanh in world2.run(_block_config_differs_between_ranks):
+        assert "ParallelTransformerLayer configuration [norm_first" in norm_first
+        assert "ParallelMLP configuration" in activation and "same on every rank" in activation
+        assert "ParallelSelfAttention configuration" in dropout
+        assert "only relu and (exact) gelu" in tanh
+
+
+def _deepcopy_shares_the_group() -> None:
+    """copy.deepcopy (EMA copies, pipeline partition profiling) copies parameters and shares the
+    process group."""
+    import copy
+
+    use_mesh(dist.get_world_size())
+    torch.manual_seed(0)
+    layer = torch_mp.ParallelTransformerLayer(HIDDEN, HEADS, FFN, dropout=0.0)
+    conv = torch_mp.ColumnParallelConv2d(3, 8, 3, gather_output=True)
+    for module, x in ((layer, rank_tensor(1, 0, 4, 2, HIDDEN)), (conv, torch.ones(1, 3, 5, 5))):
+        clone = copy.deepcopy(module)
+        assert clone.group is module.group
+        assert all(a is not b for a, b in zip(clone.parameters(), module.parameters()))
+        assert torch.equal(clone(x), module(x))
+
+
+def test_deepcopy_shares_the_group(world):
+    world.run(_deepcopy_shares_the_group)

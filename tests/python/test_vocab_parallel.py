@@ -16,10 +16,11 @@ from torch_mp import _C
 DIM = 6
 
 
-def _my_rows(full: torch.Tensor, vocab: int) -> torch.Tensor:
-    """This rank's rows [start, start + rows) of ``full`` (dim 0), zero-padded past ``vocab``."""
+def _my_rows(full: torch.Tensor, vocab: int, fill: float = 0.0) -> torch.Tensor:
+    """This rank's rows [start, start + rows) of ``full`` (dim 0), padded past ``vocab`` with
+    ``fill``."""
     start, rows, real = _C.vocab_range(vocab, torch_mp.get_mesh().tp_group.group_name)
-    out = full.new_zeros(rows, *full.shape[1:])
+    out = full.new_full((rows, *full.shape[1:]), fill)
     out[:real] = full[start : start + real]
     return out
 
@@ -56,9 +57,8 @@ def _embedding_init_and_errors() -> list[str | None]:
     seeded = nn.Embedding(13, DIM, padding_idx=4)
     assert torch.equal(after, torch.rand(2))
     assert torch.equal(layer.to_dense().weight, seeded.weight)
-    start, rows, real = layer.vocab_start_index, layer.num_embeddings_per_partition, None
+    start, rows = layer.vocab_start_index, layer.num_embeddings_per_partition
     assert rows == -(-13 // dist.get_world_size()) and start == dist.get_rank() * rows
-    del real
     return [
         error_of(layer, torch.tensor([0, 13])),
         error_of(layer, torch.tensor([-1])),
@@ -75,23 +75,24 @@ def test_embedding_default_init_and_errors(world2):
         assert "must be the same on every rank" in differ
 
 
-def _cross_entropy_matches_dense(vocab, smoothing, reduction, ignore) -> None:
-    """Logits [5, 3, V]; each rank holds its (padded) columns. Loss and the logits gradient."""
+def _cross_entropy_matches_dense(vocab, smoothing, reduction, ignore, ignore_index=-100) -> None:
+    """Logits [5, 3, V]; each rank holds its columns, padded with huge values that must be
+    ignored. Loss and the logits gradient."""
     use_mesh(dist.get_world_size())
     full = rank_tensor(1, 0, 5, 3, vocab) * 3
     target = torch.randint(0, vocab, (5, 3), generator=torch.Generator().manual_seed(2))
     if ignore:
-        target[0, 1] = target[3, 0] = -100
+        target[0, 1] = target[3, 0] = ignore_index
         target[4, 2] = vocab - 1
     full_ref = full.clone().requires_grad_()
-    kwargs = {"ignore_index": -100, "label_smoothing": smoothing, "reduction": reduction}
+    kwargs = {"ignore_index": ignore_index, "label_smoothing": smoothing, "reduction": reduction}
     loss_ref = F.cross_entropy(full_ref.view(-1, vocab), target.view(-1), **kwargs)
     if reduction == "none":
         loss_ref = loss_ref.view(5, 3)
     g = rank_tensor(2, 0, *loss_ref.shape) if loss_ref.dim() else torch.tensor(1.7)
     loss_ref.backward(g)
 
-    mine = _my_rows(full.movedim(-1, 0), vocab).movedim(0, -1).contiguous().requires_grad_()
+    mine = _my_rows(full.movedim(-1, 0), vocab, 1e4).movedim(0, -1).contiguous().requires_grad_()
     loss = torch_mp.vocab_parallel_cross_entropy(mine, target, vocab_size=vocab, **kwargs)
     loss.backward(g)
     assert_close(loss, loss_ref.detach(), "loss")
@@ -108,9 +109,29 @@ def test_cross_entropy_matches_dense(world, vocab, smoothing, reduction):
     world.run(_cross_entropy_matches_dense, vocab, smoothing, reduction, True)
 
 
-def test_cross_entropy_without_ignored_targets_and_tiny_vocab(world4):
+def test_cross_entropy_without_ignored_targets_tiny_vocab_and_ignore_index_in_vocab(world4):
     world4.run(_cross_entropy_matches_dense, 16, 0.0, "mean", False)
     world4.run(_cross_entropy_matches_dense, 5, 0.2, "mean", True)  # rank 3 holds padding only
+    world4.run(_cross_entropy_matches_dense, 13, 0.1, "mean", True, 0)  # class 0 ignored
+
+
+def _cross_entropy_low_precision(dtype: torch.dtype) -> None:
+    """70000 fp16/bf16 rows: the mean is taken in float (an fp16 sum or count would overflow,
+    a bf16 count would round), matching F.cross_entropy on the same values in float."""
+    use_mesh(dist.get_world_size())
+    rows, vocab = 70000, 8
+    full = (rank_tensor(3, 0, rows, vocab) * 2).to(dtype)
+    target = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(4))
+    expected = F.cross_entropy(full.float(), target)
+    mine = full.chunk(dist.get_world_size(), -1)[dist.get_rank()].contiguous()
+    loss = torch_mp.vocab_parallel_cross_entropy(mine, target)
+    assert loss.dtype == dtype
+    torch.testing.assert_close(loss.float(), expected, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cross_entropy_low_precision_mean_over_many_rows(world2, dtype):
+    world2.run(_cross_entropy_low_precision, dtype)
 
 
 def _embedding_to_tied_head_to_loss() -> None:
@@ -150,6 +171,29 @@ def _cross_entropy_errors() -> list[str | None]:
         error_of(ce, logits, torch.tensor([0, 1, 2, 3]), vocab_size=3),
         error_of(loss.backward),
     ]
+
+
+def _cross_entropy_bad_input_on_one_rank() -> list[str | None]:
+    use_mesh(dist.get_world_size())
+    r = dist.get_rank()
+    logits = torch.zeros(4, 4)
+    ce = torch_mp.vocab_parallel_cross_entropy
+    bad_target = torch.tensor([0, 1, 2, 99 if r == 1 else 3])
+    return [
+        error_of(ce, logits, bad_target),
+        error_of(ce, logits, torch.tensor([0, 1, 2, 3]), vocab_size=7 + r % 2),
+        error_of(ce, logits, torch.tensor([0, 1, 2, 3]), label_smoothing=0.1 * r),
+    ]
+
+
+def test_cross_entropy_input_bad_on_one_rank_raises_on_every_rank(world2):
+    (ids0, vocab0, smooth0), (ids1, vocab1, smooth1) = world2.run(
+        _cross_entropy_bad_input_on_one_rank
+    )
+    assert "another rank of the group was given invalid input" in ids0
+    assert "target ids must be in [0, 8)" in ids1
+    for message in (vocab0, vocab1, smooth0, smooth1):
+        assert "must be the same on every rank of the group" in message
 
 
 def test_cross_entropy_errors(world2):

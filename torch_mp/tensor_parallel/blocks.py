@@ -15,16 +15,36 @@ rank's part, so ranks seeded alike hold one dense model, the one that seed gives
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from torch_mp import _C
+from torch_mp._group import SharesGroup
 from torch_mp.dense import MLP, ConvBlock
 from torch_mp.mesh import get_mesh
 from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2d
 from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+
+def _agree(group: dist.ProcessGroup, what: str, **values) -> None:
+    """Raises on every rank unless all ranks of ``group`` pass the same values (floats compared
+    by their bits, activations by name). Runs before any check that could fail on one rank."""
+    ids = {"gelu": 0, "relu": 1}
+    encoded = [
+        struct.unpack("<q", struct.pack("<d", v))[0]
+        if isinstance(v, float)
+        else ids.get(v, -1)
+        if isinstance(v, str)
+        else int(v)
+        for v in values.values()
+    ]
+    _C.check_same_across_ranks(
+        encoded, group.group_name, f"{what} configuration [{', '.join(values)}]"
+    )
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -49,7 +69,7 @@ def _empty_like_dense(dense: nn.Module, module: nn.Module) -> None:
     module.to(dtype=weight.dtype)
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(SharesGroup, nn.LayerNorm):
     """``nn.LayerNorm`` over the last dim that also serves inside a sequence-parallel region.
 
     With ``sequence_parallel=True`` each rank normalises its own rows, and the parameters,
@@ -104,7 +124,7 @@ class LayerNorm(nn.LayerNorm):
         return layer
 
 
-class ParallelSelfAttention(nn.Module):
+class ParallelSelfAttention(SharesGroup, nn.Module):
     """Multi-head self-attention with the heads split across the tensor-parallel group.
 
     A column-parallel QKV projection (this rank's heads of Q, K and V), attention over the local
@@ -138,10 +158,14 @@ class ParallelSelfAttention(nn.Module):
         super().__init__()
         self.group = _group(group)
         self.tp_size = dist.get_world_size(self.group)
-        _C.check_same_across_ranks(
-            [hidden_size, num_heads, int(bias), int(sequence_parallel)],
-            self.group.group_name,
-            "ParallelSelfAttention configuration [hidden_size, num_heads, bias, sequence_parallel]",
+        _agree(
+            self.group,
+            "ParallelSelfAttention",
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            bias=bias,
+            dropout=float(dropout),
+            sequence_parallel=sequence_parallel,
         )
         _C.check_heads(hidden_size, num_heads, self.group.group_name)
         self.hidden_size, self.num_heads, self.dropout = hidden_size, num_heads, dropout
@@ -193,14 +217,17 @@ class ParallelSelfAttention(nn.Module):
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
     ) -> torch.Tensor:
         """``x``: ``[s, b, h]`` (``[s / t, b, h]`` under sequence parallelism). ``attn_mask`` as
-        in ``nn.MultiheadAttention`` (bool: True may not attend; float: added); ``is_causal``
-        without a mask applies the causal mask."""
+        in ``nn.MultiheadAttention``: ``[s, s]`` or ``[b * num_heads, s, s]``, bool (True may
+        not attend) or float (added); ``is_causal`` without a mask applies the causal mask.
+        Key padding masks are not supported (fold them into ``attn_mask``)."""
+        heads = self.num_heads // self.tp_size
         context = _C.attention_heads(
             self.qkv(x),
-            self.num_heads // self.tp_size,
+            heads,
             attn_mask,
             is_causal,
             self.dropout if self.training else 0.0,
+            dist.get_rank(self.group) * heads,
         )
         return self.proj(context)
 
@@ -247,7 +274,7 @@ class ParallelSelfAttention(nn.Module):
         return dense
 
 
-class ParallelMLP(nn.Module):
+class ParallelMLP(SharesGroup, nn.Module):
     """``fc2(dropout(activation(fc1(x))))`` with ``fc1`` column- and ``fc2`` row-parallel.
 
     Args:
@@ -275,11 +302,21 @@ class ParallelMLP(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        self.group = _group(group)
+        _agree(
+            self.group,
+            "ParallelMLP",
+            hidden_size=hidden_size,
+            ffn_hidden_size=ffn_hidden_size,
+            bias=bias,
+            activation=activation,
+            dropout=float(dropout),
+            sequence_parallel=sequence_parallel,
+        )
         if activation not in ("gelu", "relu"):
             raise ValueError(
                 f"ParallelMLP: activation must be 'relu' or 'gelu', got {activation!r}"
             )
-        self.group = _group(group)
         self.activation, self.dropout = activation, dropout
         self.fc1 = ColumnParallelLinear(
             hidden_size,
@@ -334,7 +371,7 @@ class ParallelMLP(nn.Module):
         return layer
 
 
-class ParallelTransformerLayer(nn.Module):
+class ParallelTransformerLayer(SharesGroup, nn.Module):
     """A transformer encoder layer with tensor-parallel attention and MLP.
 
     The same layer as ``nn.TransformerEncoderLayer`` (same arguments and defaults, ``[s, b, h]``
@@ -374,6 +411,13 @@ class ParallelTransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.group = _group(group)
+        # What the attention and MLP do not check themselves.
+        _agree(
+            self.group,
+            "ParallelTransformerLayer",
+            norm_first=norm_first,
+            layer_norm_eps=float(layer_norm_eps),
+        )
         self.norm_first, self.dropout, self.sequence_parallel = (
             norm_first,
             dropout,
@@ -447,9 +491,12 @@ class ParallelTransformerLayer(nn.Module):
         The parallel layer takes ``[s, b, h]`` whatever the dense layer's ``batch_first``.
         """
         kinds = {1: "relu", 2: "gelu"}
-        if layer.activation_relu_or_gelu not in kinds:
+        approximate = (
+            isinstance(layer.activation, nn.GELU) and layer.activation.approximate != "none"
+        )
+        if layer.activation_relu_or_gelu not in kinds or approximate:
             raise ValueError(
-                "ParallelTransformerLayer: only relu and gelu activations are supported"
+                "ParallelTransformerLayer: only relu and (exact) gelu activations are supported"
             )
         parallel = cls(
             layer.self_attn.embed_dim,
@@ -469,7 +516,7 @@ class ParallelTransformerLayer(nn.Module):
         return parallel
 
 
-class ParallelConvBlock(nn.Module):
+class ParallelConvBlock(SharesGroup, nn.Module):
     """``conv2(relu(norm(conv1(x))))`` with the middle channels split across the group.
 
     ``conv1`` is a :class:`ColumnParallelConv2d` (in -> mid), ``norm`` a ``BatchNorm2d`` over this

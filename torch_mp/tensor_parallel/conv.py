@@ -19,10 +19,11 @@ from torch import nn
 from torch.nn.modules.utils import _pair
 
 from torch_mp import _C
+from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh
 
 
-class _ParallelConv2d(nn.Module):
+class _ParallelConv2d(SharesGroup, nn.Module):
     """What the two layers share; subclasses set ``_SHARD_DIM`` and ``_flag``."""
 
     _SHARD_DIM: int

@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_mp import _C
+from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh, tp_group_name
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(SharesGroup, nn.Module):
     """An ``nn.Embedding`` whose vocabulary is split across the tensor-parallel group.
 
     Each rank looks up the ids it owns, writes zeros for the others, and the results are summed

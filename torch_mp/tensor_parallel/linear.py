@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_mp import _C
+from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(SharesGroup, nn.Module):
     """Shared bookkeeping of the two layers.
 
     Subclasses set ``_SHARD_DIM`` (the dense weight's split dim) and define ``_check(bias)``,

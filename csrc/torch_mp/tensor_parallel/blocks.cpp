@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <bit>
 #include <limits>
 #include <variant>
 
@@ -14,6 +15,14 @@ namespace {
 
 std::optional<at::Tensor> optional(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// A double as the int64 of its bits, for the cross-rank agreement checks.
+int64_t bits(double value) { return std::bit_cast<int64_t>(value); }
+
+// The activation's id in the agreement checks (-1: unknown, raised after the check).
+int64_t activation_id(const std::string& name) {
+  return name == "gelu" ? 0 : name == "relu" ? 1 : -1;
 }
 
 std::string activation_name(const torch::nn::activation_t& a) {
@@ -60,7 +69,8 @@ at::Tensor attention_heads(const at::Tensor& qkv,
                            int64_t heads_local,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
-                           double dropout_p) {
+                           double dropout_p,
+                           int64_t first_head) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) % (3 * heads_local) == 0,
               "attention_heads: qkv must be [s, b, 3 * heads * head_dim], got ",
               qkv.sizes(),
@@ -83,8 +93,11 @@ at::Tensor attention_heads(const at::Tensor& qkv,
       mask = at::zeros(mask->sizes(), qkv.options())
                  .masked_fill_(*mask, -std::numeric_limits<double>::infinity());
     }
-    if (mask->dim() == 3) {  // [b * heads, s, s]
-      mask = mask->view({b, heads_local, s, s});
+    if (mask->dim() == 3) {  // [b * num_heads, s, s]: keep this rank's heads
+      TORCH_CHECK(mask->size(0) % b == 0 && first_head + heads_local <= mask->size(0) / b,
+                  "attention_heads: a 3-d attn_mask must be [batch * num_heads, s, s], got ",
+                  mask->sizes());
+      mask = mask->reshape({b, -1, s, s}).narrow(1, first_head, heads_local);
     }
   }
   const bool causal = is_causal && !mask;
@@ -173,10 +186,11 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(ParallelSelfAttentionOption
 void ParallelSelfAttentionImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
-  comm::check_same_across_ranks({o.hidden_size(), o.num_heads(), o.bias(), o.sequence_parallel()},
-                                o.group(),
-                                "ParallelSelfAttention configuration [hidden_size, num_heads, "
-                                "bias, sequence_parallel]");
+  comm::check_same_across_ranks(
+      {o.hidden_size(), o.num_heads(), o.bias(), bits(o.dropout()), o.sequence_parallel()},
+      o.group(),
+      "ParallelSelfAttention configuration [hidden_size, num_heads, bias, dropout (bits), "
+      "sequence_parallel]");
   check_heads(o.hidden_size(), o.num_heads(), o.group());
   qkv = register_module("qkv",
                         ColumnParallelLinearImpl::uninitialised(
@@ -218,11 +232,13 @@ void ParallelSelfAttentionImpl::load_dense(const torch::nn::MultiheadAttention& 
 at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x,
                                               const at::Tensor& attn_mask,
                                               bool is_causal) {
+  const int64_t heads_local = options.num_heads() / options.group()->getSize();
   const auto context = attention_heads(qkv(x),
-                                       options.num_heads() / options.group()->getSize(),
+                                       heads_local,
                                        optional(attn_mask),
                                        is_causal,
-                                       is_training() ? options.dropout() : 0.0);
+                                       is_training() ? options.dropout() : 0.0,
+                                       options.group()->getRank() * heads_local);
   return proj(context);
 }
 
@@ -277,6 +293,15 @@ ParallelMLPImpl::ParallelMLPImpl(ParallelMLPOptions options_, bool initialise)
 void ParallelMLPImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
+  comm::check_same_across_ranks({o.hidden_size(),
+                                 o.ffn_hidden_size(),
+                                 o.bias(),
+                                 activation_id(o.activation()),
+                                 bits(o.dropout()),
+                                 o.sequence_parallel()},
+                                o.group(),
+                                "ParallelMLP configuration [hidden_size, ffn_hidden_size, bias, "
+                                "activation (0 gelu, 1 relu), dropout (bits), sequence_parallel]");
   activation(at::zeros({1}), o.activation());  // raises on an unknown name
   fc1 = register_module("fc1",
                         ColumnParallelLinearImpl::uninitialised(
@@ -333,6 +358,11 @@ ParallelMLP ParallelMLPImpl::from_dense(const torch::nn::Linear& fc1,
   return layer;
 }
 
+ParallelMLP ParallelMLPImpl::from_dense(const dense::MLP& mlp, ParallelMLPOptions options) {
+  options.activation(mlp->options.activation()).dropout(mlp->options.dropout());
+  return from_dense(mlp->fc1, mlp->fc2, std::move(options));
+}
+
 // ---- ParallelTransformerLayer -----------------------------------------------------------------
 
 ParallelTransformerLayerImpl::ParallelTransformerLayerImpl(ParallelTransformerLayerOptions options_,
@@ -344,6 +374,11 @@ ParallelTransformerLayerImpl::ParallelTransformerLayerImpl(ParallelTransformerLa
 void ParallelTransformerLayerImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
+  // What the attention and MLP do not check themselves.
+  comm::check_same_across_ranks(
+      {o.norm_first(), bits(o.layer_norm_eps())},
+      o.group(),
+      "ParallelTransformerLayer configuration [norm_first, layer_norm_eps (bits)]");
   const auto norm_options = torch::nn::LayerNormOptions({o.hidden_size()}).eps(o.layer_norm_eps());
   norm1 = register_module("norm1", torch::nn::LayerNorm(norm_options));
   self_attn = register_module("self_attn",
@@ -510,6 +545,10 @@ ParallelConvBlock ParallelConvBlockImpl::from_dense(const torch::nn::Conv2d& den
                      g);
   load_dense_batch_norm_(block->norm, dense_norm, g);
   return block;
+}
+
+ParallelConvBlock ParallelConvBlockImpl::from_dense(const dense::ConvBlock& block, GroupPtr group) {
+  return from_dense(block->conv1, block->norm, block->conv2, std::move(group));
 }
 
 }  // namespace torch_mp::tensor_parallel

@@ -21,6 +21,7 @@
 #include <optional>
 #include <string>
 
+#include "torch_mp/dense.h"
 #include "torch_mp/process_groups.h"
 #include "torch_mp/tensor_parallel/conv.h"
 #include "torch_mp/tensor_parallel/linear.h"
@@ -46,14 +47,16 @@ at::Tensor layer_norm(const at::Tensor& input,
 
 /// Scaled dot-product attention over this rank's heads. `qkv` [s, b, 3 * h_local] holds this
 /// rank's Q, K and V columns one after the other; returns [s, b, h_local]. `attn_mask` follows
-/// torch::nn::MultiheadAttention: [s, s] (or [b * heads_local, s, s]), bool (true = may not
-/// attend) or float (added). `is_causal` without a mask applies the causal mask. Dropout (when
-/// `dropout_p` > 0) draws from the model-parallel stream of the RNG tracker when it is set up.
+/// torch::nn::MultiheadAttention: [s, s] or [b * num_heads, s, s] (all heads; this rank uses
+/// heads [first_head, first_head + heads_local)), bool (true = may not attend) or float (added).
+/// `is_causal` without a mask applies the causal mask. Dropout (when `dropout_p` > 0) draws from
+/// the model-parallel stream of the RNG tracker when it is set up.
 at::Tensor attention_heads(const at::Tensor& qkv,
                            int64_t heads_local,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
-                           double dropout_p);
+                           double dropout_p,
+                           int64_t first_head = 0);
 
 /// Raises unless `num_heads` divides `hidden_size` and the group size divides `num_heads`.
 void check_heads(int64_t hidden_size, int64_t num_heads, const GroupPtr& group);
@@ -163,6 +166,8 @@ class ParallelMLPImpl : public torch::nn::Cloneable<ParallelMLPImpl> {
   static ParallelMLP from_dense(const torch::nn::Linear& fc1,
                                 const torch::nn::Linear& fc2,
                                 ParallelMLPOptions options);
+  /// Shards a torch_mp::dense::MLP (activation and dropout from it too).
+  static ParallelMLP from_dense(const dense::MLP& mlp, ParallelMLPOptions options);
   /// Allocated, not initialised (for modules that fill it).
   static ParallelMLP uninitialised(ParallelMLPOptions options);
   /// Copies this rank's shards of the dense pair into the parameters.
@@ -191,6 +196,7 @@ struct ParallelTransformerLayerOptions {
   TORCH_ARG(double, layer_norm_eps) = 1e-5;
   /// Pre-LN (x + f(norm(x))) instead of post-LN (norm(x + f(x))).
   TORCH_ARG(bool, norm_first) = false;
+  /// Biases of the projections (LibTorch's LayerNorm has no bias switch: its bias stays).
   TORCH_ARG(bool, bias) = true;
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(GroupPtr, group) = {};
@@ -268,6 +274,8 @@ class ParallelConvBlockImpl : public torch::nn::Cloneable<ParallelConvBlockImpl>
                                       const torch::nn::BatchNorm2d& norm,
                                       const torch::nn::Conv2d& conv2,
                                       GroupPtr group = {});
+  /// Shards a torch_mp::dense::ConvBlock.
+  static ParallelConvBlock from_dense(const dense::ConvBlock& block, GroupPtr group = {});
 
   ParallelConvBlockOptions options;
   ColumnParallelConv2d conv1 = nullptr;

@@ -123,8 +123,8 @@ void check_parallel_conv2d(const torch::nn::Conv2dOptions& o,
   const auto& k = *o.kernel_size();
   const auto& s = *o.stride();
   const auto& d = *o.dilation();
-  const int64_t padding_kind = is_same(o.padding()) ? -1 : is_valid(o.padding()) ? -2 : 0;
-  std::vector<int64_t> padding{padding_kind, padding_kind};
+  const int64_t padding_kind = is_same(o.padding()) ? 1 : is_valid(o.padding()) ? 2 : 0;
+  std::vector<int64_t> padding{0, 0};
   if (padding_kind == 0) {
     const auto& p = *std::get<torch::ExpandingArray<2>>(o.padding());
     padding = {p[0], p[1]};
@@ -136,6 +136,7 @@ void check_parallel_conv2d(const torch::nn::Conv2dOptions& o,
                                  k[1],
                                  s[0],
                                  s[1],
+                                 padding_kind,
                                  padding[0],
                                  padding[1],
                                  d[0],
@@ -147,11 +148,12 @@ void check_parallel_conv2d(const torch::nn::Conv2dOptions& o,
                                 group,
                                 std::string(name) +
                                     " configuration [in_channels, out_channels, kernel_size, "
-                                    "stride, padding (-1 same, -2 valid), dilation, groups, bias, "
-                                    "padding_mode, gather_output/input_is_parallel]");
+                                    "stride, padding kind (0 numbers, 1 same, 2 valid), padding, "
+                                    "dilation, groups, bias, padding_mode, "
+                                    "gather_output/input_is_parallel]");
   TORCH_CHECK(o.groups() == 1, name, ": only groups=1 is supported, got ", o.groups());
   TORCH_CHECK(o.in_channels() > 0 && o.out_channels() > 0 && k[0] > 0 && k[1] > 0 && s[0] > 0 &&
-                  s[1] > 0 && d[0] > 0 && d[1] > 0 && padding[0] >= -2 && padding[1] >= -2,
+                  s[1] > 0 && d[0] > 0 && d[1] > 0 && padding[0] >= 0 && padding[1] >= 0,
               name,
               ": channels, kernel_size, stride and dilation must be positive and padding "
               "non-negative");

@@ -1,9 +1,11 @@
 #include "torch_mp/tensor_parallel/cross_entropy.h"
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
+#include <sstream>
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/tensor_parallel/embedding.h"
@@ -21,17 +23,31 @@ using torch::autograd::variable_list;
 // The two passes over the shard. Shapes and meanings as in csrc/torch_mp/cuda/cross_entropy.h:
 // forward returns exp(z - max) (0 on padding) and per-row [sum exp, target logit - max,
 // sum (z - max)]; backward turns the exp buffer into the gradient in place.
+// The type sums are taken in: float for float, half and bfloat16 logits, double for double.
+at::ScalarType accumulate_type(const at::Tensor& logits) {
+  return at::toOpMathType(logits.scalar_type());
+}
+
+// Whether the fused CUDA kernels take this tensor (they accumulate in float).
+bool fused(const at::Tensor& logits) {
+#ifdef TORCH_MP_WITH_CUDA
+  return logits.is_cuda() && accumulate_type(logits) == at::kFloat;
+#else
+  return false;
+#endif
+}
+
 std::tuple<at::Tensor, at::Tensor> forward_pass(const at::Tensor& logits,
                                                 const at::Tensor& row_max,
                                                 const at::Tensor& target_local,
                                                 int64_t real_columns) {
 #ifdef TORCH_MP_WITH_CUDA
-  if (logits.is_cuda()) {
+  if (fused(logits)) {
     return cuda::vocab_cross_entropy_forward(logits, row_max, target_local, real_columns);
   }
 #endif
-  // One shard-sized buffer: z - max, then exp(z - max) in place.
-  auto shifted = logits.to(at::kFloat) - row_max.unsqueeze(1);
+  // One shard-sized buffer (for fp32): z - max, then exp(z - max) in place.
+  auto shifted = logits.to(accumulate_type(logits)) - row_max.unsqueeze(1);
   const auto real = shifted.narrow(1, 0, real_columns);
   // (A shard may hold padding only: V = 5 over 4 ranks gives rank 3 no real entry.)
   const auto target_logit =
@@ -54,7 +70,7 @@ void backward_pass_(at::Tensor& exp_logits,
                     int64_t vocab_size,
                     int64_t real_columns) {
 #ifdef TORCH_MP_WITH_CUDA
-  if (exp_logits.is_cuda()) {
+  if (fused(exp_logits)) {
     cuda::vocab_cross_entropy_backward_(
         exp_logits, sum_exp, target_local, row_scale, smoothing, vocab_size, real_columns);
     return;
@@ -74,31 +90,62 @@ void backward_pass_(at::Tensor& exp_logits,
   real.mul_(row_scale.unsqueeze(1));
 }
 
+// Raises on every rank, after the first all-reduce, when any rank's input was invalid (`problem`
+// non-empty there) or the ranks disagree on the loss's settings: a check that failed on one rank
+// alone would leave the others waiting in the collective. `agreed` holds, per setting, its
+// maximum and the maximum of its negation over the group.
+void raise_on_every_rank(const std::string& problem, const at::Tensor& agreed) {
+  TORCH_CHECK(problem.empty(), problem);
+  const auto values = agreed.to(at::kDouble).cpu();
+  const auto* v = values.const_data_ptr<double>();
+  TORCH_CHECK(v[0] == 0,
+              "vocab_parallel_cross_entropy: another rank of the group was given invalid input "
+              "(that rank raised the reason)");
+  TORCH_CHECK(v[1] == -v[2] && v[3] == -v[4] && v[5] == -v[6],
+              "vocab_parallel_cross_entropy: vocab_size, ignore_index and label_smoothing must be "
+              "the same on every rank of the group, but ranks disagree");
+}
+
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
-  // logits [N, V_local]; target [N]. Returns the per-row losses [N] (0 for ignored rows).
+  // logits [N, V_local]; target [N]. Returns the per-row losses [N] (0 for ignored rows) in the
+  // accumulate type. `problem` is this rank's reason to reject the input ("" if none).
   static at::Tensor forward(AutogradContext* ctx,
                             const at::Tensor& logits,
                             const at::Tensor& target,
                             const GroupPtr& group,
                             int64_t ignore_index,
                             double smoothing,
-                            int64_t vocab_size) {
+                            int64_t vocab_size,
+                            const std::string& problem) {
+    const auto acc = logits.options().dtype(accumulate_type(logits));
+    const int64_t rows = logits.size(0);
     const VocabRange range = vocab_range(vocab_size, group);
+
+    // The row max over the real entries of every shard, with the agreement check riding along.
+    auto row_max = problem.empty() && range.real > 0
+                       ? logits.narrow(1, 0, range.real).amax(1).to(acc.dtype())
+                       : at::full({rows}, -std::numeric_limits<double>::infinity(), acc);
+    const double flag = problem.empty() ? 0.0 : 1.0;
+    const auto settings = at::tensor({flag,
+                                      static_cast<double>(vocab_size),
+                                      -static_cast<double>(vocab_size),
+                                      static_cast<double>(ignore_index),
+                                      -static_cast<double>(ignore_index),
+                                      smoothing,
+                                      -smoothing},
+                                     at::TensorOptions().dtype(at::kDouble))
+                              .to(acc);
+    const auto reduced = comm::all_reduce(at::cat({row_max, settings}), group, c10d::ReduceOp::MAX);
+    raise_on_every_rank(problem, reduced.narrow(0, rows, settings.numel()));
+    row_max = reduced.narrow(0, 0, rows);
+
     const auto ignored = target.eq(ignore_index);
     const auto here = target.ge(range.start)
                           .logical_and_(target.lt(range.start + range.real))
                           .logical_and_(ignored.logical_not());
     const auto target_local = (target - range.start).masked_fill_(here.logical_not(), -1);
-
-    // The row max over the real entries of every shard.
-    auto row_max = range.real > 0 ? logits.narrow(1, 0, range.real).amax(1).to(at::kFloat)
-                                  : at::full({logits.size(0)},
-                                             -std::numeric_limits<float>::infinity(),
-                                             logits.options().dtype(at::kFloat));
-    row_max = comm::all_reduce(row_max, group, c10d::ReduceOp::MAX);
-
     auto [exp_logits, stats] = forward_pass(logits, row_max, target_local, range.real);
-    stats = comm::all_reduce(stats, group);
+    stats = comm::all_reduce(stats.to(acc.dtype()), group);
     const auto sum_exp = stats.select(1, 0);
     const auto log_sum_exp = sum_exp.log();
     auto loss = log_sum_exp - stats.select(1, 1);
@@ -109,14 +156,16 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     }
     loss.masked_fill_(ignored, 0);
 
-    ctx->save_for_backward({exp_logits, sum_exp, target_local, ignored});
+    ctx->save_for_backward({exp_logits, sum_exp.to(at::kFloat), target_local, ignored});
     ctx->saved_data["smoothing"] = smoothing;
     ctx->saved_data["vocab_size"] = vocab_size;
     ctx->saved_data["real"] = range.real;
-    return loss.to(logits.scalar_type());
+    return loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "vocab_parallel_cross_entropy is not twice differentiable (create_graph=True)");
     TORCH_CHECK(!ctx->saved_data.count("done"),
                 "vocab_parallel_cross_entropy: backward ran twice through the same loss (the "
                 "saved softmax becomes the gradient); recompute the loss instead of "
@@ -124,15 +173,22 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     ctx->saved_data["done"] = true;
     const auto saved = ctx->get_saved_variables();
     auto exp_logits = saved[0];
-    const auto row_scale = grads[0].to(at::kFloat).masked_fill(saved[3], 0).contiguous();
+    const auto acc = accumulate_type(exp_logits);
+    const auto row_scale = grads[0].to(acc).masked_fill(saved[3], 0).contiguous();
     backward_pass_(exp_logits,
-                   saved[1],
+                   saved[1].to(acc),
                    saved[2],
                    row_scale,
                    ctx->saved_data["smoothing"].toDouble(),
                    ctx->saved_data["vocab_size"].toInt(),
                    ctx->saved_data["real"].toInt());
-    return {exp_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {exp_logits,
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -176,46 +232,42 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
               label_smoothing);
   const int64_t local = logits.size(-1);
   const int64_t vocab = vocab_size.value_or(local * group->getSize());
+  TORCH_CHECK(vocab > 0, "vocab_parallel_cross_entropy: vocab_size must be positive, got ", vocab);
   const VocabRange range = vocab_range(vocab, group);
-  TORCH_CHECK(range.rows == local,
-              "vocab_parallel_cross_entropy: a logit shard of ",
-              local,
-              " entries does not fit a vocabulary of ",
-              vocab,
-              " split over ",
-              group->getSize(),
-              " ranks (",
-              range.rows,
-              " per rank, padded)");
   const auto flat_target = target.reshape({-1}).to(at::kLong);
   const auto valid = flat_target.ne(ignore_index);
-  if (valid.any().item<bool>()) {
-    const auto ids = flat_target.masked_select(valid);
-    const auto [lowest, highest] = at::aminmax(ids);
-    TORCH_CHECK(lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < vocab,
-                "vocab_parallel_cross_entropy: target ids must be in [0, ",
-                vocab,
-                ") or ignore_index (",
-                ignore_index,
-                "), got ids in [",
-                lowest.item<int64_t>(),
-                ", ",
-                highest.item<int64_t>(),
-                "]");
+
+  // Problems with this rank's data are raised on every rank after the first collective (see
+  // raise_on_every_rank), not here.
+  std::ostringstream problem;
+  if (range.rows != local) {
+    problem << "vocab_parallel_cross_entropy: a logit shard of " << local
+            << " entries does not fit a vocabulary of " << vocab << " split over "
+            << group->getSize() << " ranks (" << range.rows << " per rank, padded)";
+  } else if (valid.any().item<bool>()) {
+    const auto [lowest, highest] = at::aminmax(flat_target.masked_select(valid));
+    if (lowest.item<int64_t>() < 0 || highest.item<int64_t>() >= vocab) {
+      problem << "vocab_parallel_cross_entropy: target ids must be in [0, " << vocab
+              << ") or ignore_index (" << ignore_index << "), got ids in ["
+              << lowest.item<int64_t>() << ", " << highest.item<int64_t>() << "]";
+    }
   }
   const auto losses = VocabParallelCrossEntropy::apply(logits.reshape({-1, local}).contiguous(),
                                                        flat_target,
                                                        group,
                                                        ignore_index,
                                                        label_smoothing,
-                                                       vocab);
+                                                       vocab,
+                                                       problem.str());
+  // Reduced in the accumulate type (a float sum of many fp16 losses, or their count, would
+  // overflow); only the result takes the logits' type.
   switch (reduction) {
     case at::Reduction::None:
-      return losses.view(target.sizes());
+      return losses.view(target.sizes()).to(logits.scalar_type());
     case at::Reduction::Sum:
-      return losses.sum();
+      return losses.sum().to(logits.scalar_type());
     default:
-      return losses.sum() / valid.sum().to(losses.scalar_type());
+      return (losses.sum() / valid.sum().to(losses.scalar_type())).to(logits.scalar_type());
   }
 }
 

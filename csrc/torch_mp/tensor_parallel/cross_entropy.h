@@ -27,7 +27,11 @@ namespace torch_mp::tensor_parallel {
 /// VocabParallelEmbedding's are: ceil(V / t) entries per rank); padded entries get no
 /// probability and a zero gradient. Without it, every entry of every shard is vocabulary.
 /// `target` [...] holds class ids in [0, vocab_size) or `ignore_index` and must be the same on
-/// every rank. Backward may run once per forward (the exp buffer becomes the gradient).
+/// every rank (not checked: comparing them would cost a collective of their size). Invalid ids,
+/// a shard that does not fit `vocab_size`, or settings (vocab_size, ignore_index,
+/// label_smoothing) that differ between ranks raise on every rank, never leaving some waiting.
+/// Sums are taken in float (double for double logits); the result has the logits' type.
+/// Backward may run once per forward (the exp buffer becomes the gradient in place).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
                                         const at::Tensor& target,
                                         const GroupPtr& group,

@@ -1,0 +1,79 @@
+#pragma once
+// Dense (one-process) modules that the tensor-parallel blocks shard with from_dense, where
+// LibTorch has none: the C++ twins of torch_mp.dense.MLP and torch_mp.dense.ConvBlock.
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <string>
+
+namespace torch_mp::dense {
+
+/// Options of MLP.
+struct MLPOptions {
+  MLPOptions(int64_t hidden_size, int64_t ffn_hidden_size)
+      : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size) {}
+  TORCH_ARG(int64_t, hidden_size);
+  TORCH_ARG(int64_t, ffn_hidden_size);
+  TORCH_ARG(bool, bias) = true;
+  /// "gelu" or "relu".
+  TORCH_ARG(std::string, activation) = "gelu";
+  /// Dropout after the activation (in training).
+  TORCH_ARG(double, dropout) = 0.0;
+};
+
+/// fc2(dropout(activation(fc1(x)))) with fc1: hidden -> ffn and fc2: ffn -> hidden.
+class MLPImpl : public torch::nn::Cloneable<MLPImpl> {
+ public:
+  MLPImpl(int64_t hidden_size, int64_t ffn_hidden_size)
+      : MLPImpl(MLPOptions(hidden_size, ffn_hidden_size)) {}
+  explicit MLPImpl(MLPOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+
+  MLPOptions options;
+  torch::nn::Linear fc1 = nullptr;
+  torch::nn::Linear fc2 = nullptr;
+};
+TORCH_MODULE(MLP);
+
+/// Options of ConvBlock.
+struct ConvBlockOptions {
+  ConvBlockOptions(int64_t in_channels,
+                   int64_t mid_channels,
+                   int64_t out_channels,
+                   int64_t kernel_size = 3)
+      : in_channels_(in_channels),
+        mid_channels_(mid_channels),
+        out_channels_(out_channels),
+        kernel_size_(kernel_size) {}
+  TORCH_ARG(int64_t, in_channels);
+  TORCH_ARG(int64_t, mid_channels);
+  TORCH_ARG(int64_t, out_channels);
+  TORCH_ARG(int64_t, kernel_size);
+  /// Padding of both convolutions (default: kernel_size / 2).
+  TORCH_ARG(std::optional<int64_t>, padding) = std::nullopt;
+  TORCH_ARG(bool, bias) = true;
+};
+
+/// conv2(relu(norm(conv1(x)))): Conv2d (in -> mid), BatchNorm2d, ReLU, Conv2d (mid -> out).
+class ConvBlockImpl : public torch::nn::Cloneable<ConvBlockImpl> {
+ public:
+  explicit ConvBlockImpl(ConvBlockOptions options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+
+  ConvBlockOptions options;
+  torch::nn::Conv2d conv1 = nullptr;
+  torch::nn::BatchNorm2d norm = nullptr;
+  torch::nn::Conv2d conv2 = nullptr;
+};
+TORCH_MODULE(ConvBlock);
+
+}  // namespace torch_mp::dense
