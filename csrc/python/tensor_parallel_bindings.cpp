@@ -175,13 +175,8 @@ void bind_tensor_parallel(py::module_& m) {
          const std::string& reduction,
          std::optional<int64_t> vocab_size,
          const std::string& group) {
-        return tp::vocab_parallel_cross_entropy(logits,
-                                                target,
-                                                resolve(group),
-                                                ignore_index,
-                                                label_smoothing,
-                                                tp::reduction_from_string(reduction),
-                                                vocab_size);
+        return tp::vocab_parallel_cross_entropy(
+            logits, target, resolve(group), ignore_index, label_smoothing, reduction, vocab_size);
       },
       py::arg("logits"),
       py::arg("target"),
@@ -276,14 +271,23 @@ void bind_tensor_parallel(py::module_& m) {
       py::arg("sequence_parallel"),
       py::arg("group"),
       ReleaseGil());
-  m.def("attention_heads",
-        &tp::attention_heads,
-        py::arg("qkv"),
-        py::arg("heads_local"),
-        py::arg("attn_mask"),
-        py::arg("is_causal"),
-        py::arg("dropout_p"),
-        py::arg("first_head"));
+  m.def(
+      "attention_heads",
+      [](const at::Tensor& qkv,
+         int64_t num_heads,
+         const std::string& group,
+         const std::optional<at::Tensor>& attn_mask,
+         bool is_causal,
+         double dropout_p) {
+        return tp::attention_heads(qkv, num_heads, resolve(group), attn_mask, is_causal, dropout_p);
+      },
+      py::arg("qkv"),
+      py::arg("num_heads"),
+      py::arg("group"),
+      py::arg("attn_mask"),
+      py::arg("is_causal"),
+      py::arg("dropout_p"));
+  m.def("has_fused_cuda_kernels", &tp::has_fused_cuda_kernels);
   m.def("region_dropout", &tp::region_dropout, py::arg("x"), py::arg("p"), py::arg("training"));
   m.def("activation", &tp::activation, py::arg("x"), py::arg("name"));
   m.def(

@@ -400,7 +400,8 @@ void check_cross_entropy_matches_dense(const Mesh& mesh,
   const VocabRange range = tensor_parallel::vocab_range(vocab, mesh.tp_group);
   at::Tensor local;
   if (padded) {
-    local = at::zeros({5, 3, range.rows}, logits.options());
+    // Padding filled with huge logits: they must get neither probability nor gradient.
+    local = at::full({5, 3, range.rows}, 1e4, logits.options());
     local.narrow(-1, 0, range.real).copy_(logits.narrow(-1, range.start, range.real));
   } else {
     local = chunk_of(logits, -1, mesh).clone();

@@ -112,11 +112,13 @@ def _bad_conv_arguments() -> list[str | None]:
         error_of(torch_mp.ColumnParallelConv2d, 4, 8, 3, stride=2, padding="same"),
         error_of(torch_mp.ColumnParallelConv2d, 4, 8, 3, padding_mode="mirror"),
         error_of(torch_mp.ColumnParallelConv2d, 4, 8 * (dist.get_rank() + 1), 3),
+        error_of(torch_mp.ColumnParallelConv2d, 4, 8, 3, padding=-1),
     ]
 
 
 def test_bad_arguments_raise_clearly(world4):
-    for out_ch, in_ch, groups, same, mode, differ in world4.run(_bad_conv_arguments):
+    for out_ch, in_ch, groups, same, mode, differ, negative in world4.run(_bad_conv_arguments):
+        assert "padding non-negative" in negative
         assert "out_channels (6) must be divisible by the tensor-parallel size (4)" in out_ch
         assert "in_channels (6) must be divisible by the tensor-parallel size (4)" in in_ch
         assert "only groups=1" in groups

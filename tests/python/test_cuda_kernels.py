@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _fused_matches_cpu(vocab: int, dtype: torch.dtype, unaligned: bool) -> None:
+    assert _C.has_fused_cuda_kernels(), "torch has CUDA but torch_mp was built without the kernels"
     use_mesh(dist.get_world_size())
     _, rows, real = _C.vocab_range(vocab, torch_mp.get_mesh().tp_group.group_name)
     n = 300  # more rows than some grids have blocks
@@ -47,6 +48,10 @@ def _fused_matches_cpu(vocab: int, dtype: torch.dtype, unaligned: bool) -> None:
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
 )
-@pytest.mark.parametrize("vocab", [13, 1001, 5], ids=["v13", "v1001", "v5"])
+@pytest.mark.parametrize("vocab", [13, 1001], ids=["v13", "v1001"])
 def test_fused_cross_entropy_matches_the_cpu_path(world2, vocab, dtype, unaligned):
     world2.run(_fused_matches_cpu, vocab, dtype, unaligned)
+
+
+def test_fused_cross_entropy_with_a_padding_only_shard(world4):
+    world4.run(_fused_matches_cpu, 5, torch.float32, True)  # rank 3 holds padding only

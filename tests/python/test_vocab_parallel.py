@@ -116,8 +116,8 @@ def test_cross_entropy_without_ignored_targets_tiny_vocab_and_ignore_index_in_vo
 
 
 def _cross_entropy_low_precision(dtype: torch.dtype) -> None:
-    """70000 fp16/bf16 rows: the mean is taken in float (an fp16 sum or count would overflow,
-    a bf16 count would round), matching F.cross_entropy on the same values in float."""
+    """70000 fp16/bf16 rows: the mean is taken in float (an fp16 sum or count would overflow),
+    matching F.cross_entropy on the same values in float."""
     use_mesh(dist.get_world_size())
     rows, vocab = 70000, 8
     full = (rank_tensor(3, 0, rows, vocab) * 2).to(dtype)
@@ -173,6 +173,35 @@ def _cross_entropy_errors() -> list[str | None]:
     ]
 
 
+def _cross_entropy_in_double() -> None:
+    """Double logits are computed in double: tight agreement with F.cross_entropy."""
+    use_mesh(dist.get_world_size())
+    t, r = dist.get_world_size(), dist.get_rank()
+    full = rank_tensor(5, 0, 6, 16).double() * 3
+    target = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(6))
+    full_ref = full.clone().requires_grad_()
+    expected = F.cross_entropy(full_ref, target, label_smoothing=0.1)
+    expected.backward()
+    mine = full.chunk(t, -1)[r].clone().requires_grad_()
+    loss = torch_mp.vocab_parallel_cross_entropy(mine, target, label_smoothing=0.1)
+    loss.backward()
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mine.grad, full_ref.grad.chunk(t, -1)[r], rtol=1e-12, atol=1e-14)
+
+    def second_derivative():
+        loss = torch_mp.vocab_parallel_cross_entropy(mine, target)
+        (grad,) = torch.autograd.grad(loss, mine, create_graph=True)
+        grad.sum().backward()
+
+    message = error_of(second_derivative)
+    assert message is not None and "not twice differentiable" in message, message
+
+
+def test_cross_entropy_in_double_and_no_double_backward(world):
+    world.run(_cross_entropy_in_double)
+
+
 def _cross_entropy_bad_input_on_one_rank() -> list[str | None]:
     use_mesh(dist.get_world_size())
     r = dist.get_rank()
@@ -183,15 +212,20 @@ def _cross_entropy_bad_input_on_one_rank() -> list[str | None]:
         error_of(ce, logits, bad_target),
         error_of(ce, logits, torch.tensor([0, 1, 2, 3]), vocab_size=7 + r % 2),
         error_of(ce, logits, torch.tensor([0, 1, 2, 3]), label_smoothing=0.1 * r),
+        error_of(ce, logits, torch.tensor([0, 1, 2, 3]), reduction="mean" if r else "avg"),
+        error_of(ce, logits, torch.tensor([0, 1, 2, 3]), label_smoothing=2.0 if r else 0.0),
     ]
 
 
 def test_cross_entropy_input_bad_on_one_rank_raises_on_every_rank(world2):
-    (ids0, vocab0, smooth0), (ids1, vocab1, smooth1) = world2.run(
-        _cross_entropy_bad_input_on_one_rank
-    )
-    assert "another rank of the group was given invalid input" in ids0
+    first, second = world2.run(_cross_entropy_bad_input_on_one_rank)
+    ids0, vocab0, smooth0, reduction0, range0 = first
+    ids1, vocab1, smooth1, reduction1, range1 = second
     assert "target ids must be in [0, 8)" in ids1
+    assert "reduction must be 'none', 'mean' or 'sum', got 'avg'" in reduction0
+    assert "label_smoothing must be in [0, 1], got 2" in range1
+    for message in (ids0, reduction1, range0):
+        assert "another rank of the group was given invalid input" in message
     for message in (vocab0, vocab1, smooth0, smooth1):
         assert "must be the same on every rank of the group" in message
 

@@ -42,8 +42,9 @@ def _agree(group: dist.ProcessGroup, what: str, **values) -> None:
         else int(v)
         for v in values.values()
     ]
+    names = [f"{k} (bits)" if isinstance(v, float) else k for k, v in values.items()]
     _C.check_same_across_ranks(
-        encoded, group.group_name, f"{what} configuration [{', '.join(values)}]"
+        encoded, group.group_name, f"{what} configuration [{', '.join(names)}]"
     )
 
 
@@ -220,14 +221,13 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         in ``nn.MultiheadAttention``: ``[s, s]`` or ``[b * num_heads, s, s]``, bool (True may
         not attend) or float (added); ``is_causal`` without a mask applies the causal mask.
         Key padding masks are not supported (fold them into ``attn_mask``)."""
-        heads = self.num_heads // self.tp_size
         context = _C.attention_heads(
             self.qkv(x),
-            heads,
+            self.num_heads,
+            self.group.group_name,
             attn_mask,
             is_causal,
             self.dropout if self.training else 0.0,
-            dist.get_rank(self.group) * heads,
         )
         return self.proj(context)
 

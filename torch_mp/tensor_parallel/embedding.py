@@ -131,7 +131,7 @@ def vocab_parallel_cross_entropy(
     label_smoothing=..., reduction=...)`` (reshaped as ``target`` for ``reduction="none"``),
     where ``full_logits`` is the ranks' ``logits`` concatenated along the last dim. Each rank
     keeps one shard-sized buffer (the softmax numerators, reused for the gradient) and
-    exchanges ``3 x rows + rows`` numbers, not the logits.
+    exchanges ``4 x rows + 7`` numbers, not the logits.
 
     Args:
         logits: This rank's ``[..., V_local]`` shard.

@@ -66,12 +66,13 @@ at::Tensor layer_norm(const at::Tensor& input,
 }
 
 at::Tensor attention_heads(const at::Tensor& qkv,
-                           int64_t heads_local,
+                           int64_t num_heads,
+                           const GroupPtr& group,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
-                           double dropout_p,
-                           int64_t first_head) {
-  TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) % (3 * heads_local) == 0,
+                           double dropout_p) {
+  const int64_t heads_local = num_heads / group->getSize();
+  TORCH_CHECK(qkv.dim() == 3 && heads_local > 0 && qkv.size(2) % (3 * heads_local) == 0,
               "attention_heads: qkv must be [s, b, 3 * heads * head_dim], got ",
               qkv.sizes(),
               " for ",
@@ -89,15 +90,25 @@ at::Tensor attention_heads(const at::Tensor& qkv,
   std::optional<at::Tensor> mask;
   if (attn_mask && attn_mask->defined()) {
     mask = *attn_mask;
+    // The same shape test on every rank (a rank-dependent one would leave the others waiting).
+    const bool per_head = mask->dim() == 3 && mask->size(0) == b * num_heads &&
+                          mask->size(1) == s && mask->size(2) == s;
+    TORCH_CHECK(per_head || (mask->dim() == 2 && mask->size(0) == s && mask->size(1) == s),
+                "attention_heads: attn_mask must be [s, s] or [batch * num_heads, s, s] = [",
+                b * num_heads,
+                ", ",
+                s,
+                ", ",
+                s,
+                "], got ",
+                mask->sizes());
+    if (per_head) {  // this rank's heads only
+      mask = mask->reshape({b, num_heads, s, s})
+                 .narrow(1, group->getRank() * heads_local, heads_local);
+    }
     if (mask->scalar_type() == at::kBool) {  // true = may not attend, as in MultiheadAttention
       mask = at::zeros(mask->sizes(), qkv.options())
                  .masked_fill_(*mask, -std::numeric_limits<double>::infinity());
-    }
-    if (mask->dim() == 3) {  // [b * num_heads, s, s]: keep this rank's heads
-      TORCH_CHECK(mask->size(0) % b == 0 && first_head + heads_local <= mask->size(0) / b,
-                  "attention_heads: a 3-d attn_mask must be [batch * num_heads, s, s], got ",
-                  mask->sizes());
-      mask = mask->reshape({b, -1, s, s}).narrow(1, first_head, heads_local);
     }
   }
   const bool causal = is_causal && !mask;
@@ -232,13 +243,12 @@ void ParallelSelfAttentionImpl::load_dense(const torch::nn::MultiheadAttention& 
 at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x,
                                               const at::Tensor& attn_mask,
                                               bool is_causal) {
-  const int64_t heads_local = options.num_heads() / options.group()->getSize();
   const auto context = attention_heads(qkv(x),
-                                       heads_local,
+                                       options.num_heads(),
+                                       options.group(),
                                        optional(attn_mask),
                                        is_causal,
-                                       is_training() ? options.dropout() : 0.0,
-                                       options.group()->getRank() * heads_local);
+                                       is_training() ? options.dropout() : 0.0);
   return proj(context);
 }
 

@@ -45,18 +45,19 @@ at::Tensor layer_norm(const at::Tensor& input,
                       bool sequence_parallel,
                       const GroupPtr& group);
 
-/// Scaled dot-product attention over this rank's heads. `qkv` [s, b, 3 * h_local] holds this
-/// rank's Q, K and V columns one after the other; returns [s, b, h_local]. `attn_mask` follows
-/// torch::nn::MultiheadAttention: [s, s] or [b * num_heads, s, s] (all heads; this rank uses
-/// heads [first_head, first_head + heads_local)), bool (true = may not attend) or float (added).
-/// `is_causal` without a mask applies the causal mask. Dropout (when `dropout_p` > 0) draws from
-/// the model-parallel stream of the RNG tracker when it is set up.
+/// Scaled dot-product attention over this rank's heads: of `num_heads` in all, rank r of `group`
+/// holds heads [r * n / t, (r + 1) * n / t). `qkv` [s, b, 3 * h_local] holds this rank's Q, K and
+/// V columns one after the other; returns [s, b, h_local]. `attn_mask` follows
+/// torch::nn::MultiheadAttention: [s, s] or [b * num_heads, s, s] (every head's; this rank uses
+/// its own), bool (true = may not attend) or float (added). `is_causal` without a mask applies
+/// the causal mask. Dropout (when `dropout_p` > 0) draws from the model-parallel stream of the
+/// RNG tracker when it is set up.
 at::Tensor attention_heads(const at::Tensor& qkv,
-                           int64_t heads_local,
+                           int64_t num_heads,
+                           const GroupPtr& group,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
-                           double dropout_p,
-                           int64_t first_head = 0);
+                           double dropout_p);
 
 /// Raises unless `num_heads` divides `hidden_size` and the group size divides `num_heads`.
 void check_heads(int64_t hidden_size, int64_t num_heads, const GroupPtr& group);

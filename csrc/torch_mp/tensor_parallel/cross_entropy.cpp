@@ -101,9 +101,11 @@ void raise_on_every_rank(const std::string& problem, const at::Tensor& agreed) {
   TORCH_CHECK(v[0] == 0,
               "vocab_parallel_cross_entropy: another rank of the group was given invalid input "
               "(that rank raised the reason)");
-  TORCH_CHECK(v[1] == -v[2] && v[3] == -v[4] && v[5] == -v[6],
-              "vocab_parallel_cross_entropy: vocab_size, ignore_index and label_smoothing must be "
-              "the same on every rank of the group, but ranks disagree");
+  for (int64_t i = 1; i + 1 < values.numel(); i += 2) {
+    TORCH_CHECK(v[i] == -v[i + 1],
+                "vocab_parallel_cross_entropy: vocab_size, ignore_index, label_smoothing and "
+                "reduction must be the same on every rank of the group, but ranks disagree");
+  }
 }
 
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
@@ -116,6 +118,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                             int64_t ignore_index,
                             double smoothing,
                             int64_t vocab_size,
+                            int64_t reduction,
                             const std::string& problem) {
     const auto acc = logits.options().dtype(accumulate_type(logits));
     const int64_t rows = logits.size(0);
@@ -132,7 +135,9 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                                       static_cast<double>(ignore_index),
                                       -static_cast<double>(ignore_index),
                                       smoothing,
-                                      -smoothing},
+                                      -smoothing,
+                                      static_cast<double>(reduction),
+                                      -static_cast<double>(reduction)},
                                      at::TensorOptions().dtype(at::kDouble))
                               .to(acc);
     const auto reduced = comm::all_reduce(at::cat({row_max, settings}), group, c10d::ReduceOp::MAX);
@@ -156,7 +161,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     }
     loss.masked_fill_(ignored, 0);
 
-    ctx->save_for_backward({exp_logits, sum_exp.to(at::kFloat), target_local, ignored});
+    ctx->save_for_backward({exp_logits, sum_exp, target_local, ignored});
     ctx->saved_data["smoothing"] = smoothing;
     ctx->saved_data["vocab_size"] = vocab_size;
     ctx->saved_data["real"] = range.real;
@@ -176,7 +181,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     const auto acc = accumulate_type(exp_logits);
     const auto row_scale = grads[0].to(acc).masked_fill(saved[3], 0).contiguous();
     backward_pass_(exp_logits,
-                   saved[1].to(acc),
+                   saved[1],
                    saved[2],
                    row_scale,
                    ctx->saved_data["smoothing"].toDouble(),
@@ -188,33 +193,35 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
+            at::Tensor(),
             at::Tensor()};
   }
 };
 
-}  // namespace
-
-at::Reduction::Reduction reduction_from_string(const std::string& reduction) {
+// "none", "mean" or "sum" as at::Reduction, or nothing.
+std::optional<at::Reduction::Reduction> parse_reduction(const std::string& reduction) {
   if (reduction == "none") {
     return at::Reduction::None;
   }
   if (reduction == "mean") {
     return at::Reduction::Mean;
   }
-  TORCH_CHECK(reduction == "sum",
-              "vocab_parallel_cross_entropy: reduction must be 'none', 'mean' or 'sum', got '",
-              reduction,
-              "'");
-  return at::Reduction::Sum;
+  if (reduction == "sum") {
+    return at::Reduction::Sum;
+  }
+  return std::nullopt;
 }
 
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
-                                        const at::Tensor& target,
-                                        const GroupPtr& group,
-                                        int64_t ignore_index,
-                                        double label_smoothing,
-                                        at::Reduction::Reduction reduction,
-                                        std::optional<int64_t> vocab_size) {
+// Both public overloads. A `reduction` of nullopt is invalid (`reduction_text` names it).
+at::Tensor cross_entropy(const at::Tensor& logits,
+                         const at::Tensor& target,
+                         const GroupPtr& group,
+                         int64_t ignore_index,
+                         double label_smoothing,
+                         std::optional<at::Reduction::Reduction> reduction,
+                         const std::string& reduction_text,
+                         std::optional<int64_t> vocab_size) {
+  // Structural errors (every rank running the same program meets them alike) raise here.
   TORCH_CHECK(group, "vocab_parallel_cross_entropy: no process group");
   TORCH_CHECK(logits.dim() >= 1 && at::isFloatingType(logits.scalar_type()),
               "vocab_parallel_cross_entropy: logits must be a floating-point tensor [..., V/t]");
@@ -227,20 +234,25 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
   TORCH_CHECK(!at::isFloatingType(target.scalar_type()),
               "vocab_parallel_cross_entropy: target must hold class ids (an integer tensor); "
               "probability targets are not supported");
-  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0,
-              "vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got ",
-              label_smoothing);
   const int64_t local = logits.size(-1);
-  const int64_t vocab = vocab_size.value_or(local * group->getSize());
-  TORCH_CHECK(vocab > 0, "vocab_parallel_cross_entropy: vocab_size must be positive, got ", vocab);
+  const int64_t given_vocab = vocab_size.value_or(local * group->getSize());
+  const int64_t vocab = given_vocab > 0 ? given_vocab : std::max<int64_t>(local, 1);
   const VocabRange range = vocab_range(vocab, group);
   const auto flat_target = target.reshape({-1}).to(at::kLong);
   const auto valid = flat_target.ne(ignore_index);
 
-  // Problems with this rank's data are raised on every rank after the first collective (see
-  // raise_on_every_rank), not here.
+  // Problems with this rank's arguments or data are raised on every rank after the first
+  // collective (see raise_on_every_rank), not here.
   std::ostringstream problem;
-  if (range.rows != local) {
+  if (!reduction) {
+    problem << "vocab_parallel_cross_entropy: reduction must be 'none', 'mean' or 'sum', got '"
+            << reduction_text << "'";
+  } else if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0)) {
+    problem << "vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got "
+            << label_smoothing;
+  } else if (given_vocab <= 0) {
+    problem << "vocab_parallel_cross_entropy: vocab_size must be positive, got " << given_vocab;
+  } else if (range.rows != local) {
     problem << "vocab_parallel_cross_entropy: a logit shard of " << local
             << " entries does not fit a vocabulary of " << vocab << " split over "
             << group->getSize() << " ranks (" << range.rows << " per rank, padded)";
@@ -252,16 +264,18 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
               << lowest.item<int64_t>() << ", " << highest.item<int64_t>() << "]";
     }
   }
+  const auto kind = reduction.value_or(at::Reduction::Mean);
   const auto losses = VocabParallelCrossEntropy::apply(logits.reshape({-1, local}).contiguous(),
                                                        flat_target,
                                                        group,
                                                        ignore_index,
                                                        label_smoothing,
                                                        vocab,
+                                                       static_cast<int64_t>(kind),
                                                        problem.str());
   // Reduced in the accumulate type (a float sum of many fp16 losses, or their count, would
   // overflow); only the result takes the logits' type.
-  switch (reduction) {
+  switch (kind) {
     case at::Reduction::None:
       return losses.view(target.sizes()).to(logits.scalar_type());
     case at::Reduction::Sum:
@@ -269,6 +283,44 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
     default:
       return (losses.sum() / valid.sum().to(losses.scalar_type())).to(logits.scalar_type());
   }
+}
+
+}  // namespace
+
+bool has_fused_cuda_kernels() {
+#ifdef TORCH_MP_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
+                                        const at::Tensor& target,
+                                        const GroupPtr& group,
+                                        int64_t ignore_index,
+                                        double label_smoothing,
+                                        at::Reduction::Reduction reduction,
+                                        std::optional<int64_t> vocab_size) {
+  return cross_entropy(
+      logits, target, group, ignore_index, label_smoothing, reduction, "", vocab_size);
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
+                                        const at::Tensor& target,
+                                        const GroupPtr& group,
+                                        int64_t ignore_index,
+                                        double label_smoothing,
+                                        const std::string& reduction,
+                                        std::optional<int64_t> vocab_size) {
+  return cross_entropy(logits,
+                       target,
+                       group,
+                       ignore_index,
+                       label_smoothing,
+                       parse_reduction(reduction),
+                       reduction,
+                       vocab_size);
 }
 
 }  // namespace torch_mp::tensor_parallel

@@ -28,8 +28,10 @@ namespace torch_mp::tensor_parallel {
 /// probability and a zero gradient. Without it, every entry of every shard is vocabulary.
 /// `target` [...] holds class ids in [0, vocab_size) or `ignore_index` and must be the same on
 /// every rank (not checked: comparing them would cost a collective of their size). Invalid ids,
-/// a shard that does not fit `vocab_size`, or settings (vocab_size, ignore_index,
-/// label_smoothing) that differ between ranks raise on every rank, never leaving some waiting.
+/// a shard that does not fit `vocab_size`, an invalid setting, or settings (vocab_size,
+/// ignore_index, label_smoothing, reduction) that differ between ranks raise on every rank,
+/// never leaving some waiting (they ride on the loss's first all-reduce). The logits' and
+/// target's shapes and types must match across ranks.
 /// Sums are taken in float (double for double logits); the result has the logits' type.
 /// Backward may run once per forward (the exp buffer becomes the gradient in place).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
@@ -40,7 +42,17 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
                                         at::Reduction::Reduction reduction = at::Reduction::Mean,
                                         std::optional<int64_t> vocab_size = std::nullopt);
 
-/// "none", "mean" or "sum" as at::Reduction (raises on anything else).
-at::Reduction::Reduction reduction_from_string(const std::string& reduction);
+/// The same with `reduction` given by name: "none", "mean" or "sum" (another name raises on
+/// every rank).
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
+                                        const at::Tensor& target,
+                                        const GroupPtr& group,
+                                        int64_t ignore_index,
+                                        double label_smoothing,
+                                        const std::string& reduction,
+                                        std::optional<int64_t> vocab_size = std::nullopt);
+
+/// Whether this build has the fused CUDA kernels (torch with CUDA and nvcc at build time).
+bool has_fused_cuda_kernels();
 
 }  // namespace torch_mp::tensor_parallel
