@@ -192,8 +192,8 @@ def _indivisible_blocks() -> list[str | None]:
 def test_head_and_channel_counts_not_divisible_raise(world4):
     for heads, ffn, channels, head_dim in world4.run(_indivisible_blocks):
         assert "num_heads (6) must be divisible by the tensor-parallel size (4)" in heads
-        assert "out_features (30) must be divisible by the tensor-parallel size (4)" in ffn
-        assert "out_channels (6) must be divisible by the tensor-parallel size (4)" in channels
+        assert "ffn_hidden_size (30) must be divisible by the tensor-parallel size (4)" in ffn
+        assert "mid_channels (6) must be divisible by the tensor-parallel size (4)" in channels
         assert "hidden_size (12) must be divisible by num_heads (5)" in head_dim
 
 

@@ -317,6 +317,7 @@ class ParallelMLP(SharesGroup, nn.Module):
             raise ValueError(
                 f"ParallelMLP: activation must be 'relu' or 'gelu', got {activation!r}"
             )
+        _C.divide(ffn_hidden_size, dist.get_world_size(self.group), "ParallelMLP: ffn_hidden_size")
         self.activation, self.dropout = activation, dropout
         self.fc1 = ColumnParallelLinear(
             hidden_size,
@@ -544,6 +545,17 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         super().__init__()
         self.group = _group(group)
         padding = kernel_size // 2 if padding is None else padding
+        _agree(
+            self.group,
+            "ParallelConvBlock",
+            in_channels=in_channels,
+            mid_channels=mid_channels,
+            out_channels=out_channels,
+            kernel_size=kernel_size,
+            padding=padding,
+            bias=bias,
+        )
+        _C.divide(mid_channels, dist.get_world_size(self.group), "ParallelConvBlock: mid_channels")
         conv = {"padding": padding, "bias": bias, "group": self.group, "device": "meta"}
         self.conv1 = ColumnParallelConv2d(in_channels, mid_channels, kernel_size, **conv)
         self.norm = nn.BatchNorm2d(mid_channels // dist.get_world_size(self.group), device="meta")

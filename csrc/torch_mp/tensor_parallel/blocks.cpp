@@ -313,6 +313,7 @@ void ParallelMLPImpl::reset() {
                                 "ParallelMLP configuration [hidden_size, ffn_hidden_size, bias, "
                                 "activation (0 gelu, 1 relu), dropout (bits), sequence_parallel]");
   activation(at::zeros({1}), o.activation());  // raises on an unknown name
+  divide(o.ffn_hidden_size(), o.group()->getSize(), "ParallelMLP: ffn_hidden_size");
   fc1 = register_module("fc1",
                         ColumnParallelLinearImpl::uninitialised(
                             ColumnParallelLinearOptions(o.hidden_size(), o.ffn_hidden_size())
@@ -486,6 +487,12 @@ void ParallelConvBlockImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
   const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
+  comm::check_same_across_ranks(
+      {o.in_channels(), o.mid_channels(), o.out_channels(), o.kernel_size(), padding, o.bias()},
+      o.group(),
+      "ParallelConvBlock configuration [in_channels, mid_channels, out_channels, kernel_size, "
+      "padding, bias]");
+  divide(o.mid_channels(), o.group()->getSize(), "ParallelConvBlock: mid_channels");
   auto conv1_options =
       ColumnParallelConv2dOptions(o.in_channels(), o.mid_channels(), o.kernel_size())
           .group(o.group());
