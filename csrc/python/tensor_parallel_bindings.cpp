@@ -291,13 +291,77 @@ void bind_tensor_parallel(py::module_& m) {
   m.def("region_dropout", &tp::region_dropout, py::arg("x"), py::arg("p"), py::arg("training"));
   m.def("activation", &tp::activation, py::arg("x"), py::arg("name"));
   m.def(
-      "check_heads",
-      [](int64_t hidden_size, int64_t num_heads, const std::string& group) {
-        tp::check_heads(hidden_size, num_heads, resolve(group));
+      "check_parallel_self_attention",
+      [](int64_t hidden_size,
+         int64_t num_heads,
+         bool bias,
+         double dropout,
+         bool sequence_parallel,
+         const std::string& group) {
+        tp::check_parallel_self_attention(
+            hidden_size, num_heads, bias, dropout, sequence_parallel, resolve(group));
       },
       py::arg("hidden_size"),
       py::arg("num_heads"),
-      py::arg("group"));
+      py::arg("bias"),
+      py::arg("dropout"),
+      py::arg("sequence_parallel"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "check_parallel_mlp",
+      [](int64_t hidden_size,
+         int64_t ffn_hidden_size,
+         bool bias,
+         const std::string& activation,
+         double dropout,
+         bool sequence_parallel,
+         const std::string& group) {
+        tp::check_parallel_mlp(hidden_size,
+                               ffn_hidden_size,
+                               bias,
+                               activation,
+                               dropout,
+                               sequence_parallel,
+                               resolve(group));
+      },
+      py::arg("hidden_size"),
+      py::arg("ffn_hidden_size"),
+      py::arg("bias"),
+      py::arg("activation"),
+      py::arg("dropout"),
+      py::arg("sequence_parallel"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "check_parallel_transformer_layer",
+      [](bool norm_first, double layer_norm_eps, const std::string& group) {
+        tp::check_parallel_transformer_layer(norm_first, layer_norm_eps, resolve(group));
+      },
+      py::arg("norm_first"),
+      py::arg("layer_norm_eps"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "check_parallel_conv_block",
+      [](int64_t in_channels,
+         int64_t mid_channels,
+         int64_t out_channels,
+         int64_t kernel_size,
+         int64_t padding,
+         bool bias,
+         const std::string& group) {
+        tp::check_parallel_conv_block(
+            in_channels, mid_channels, out_channels, kernel_size, padding, bias, resolve(group));
+      },
+      py::arg("in_channels"),
+      py::arg("mid_channels"),
+      py::arg("out_channels"),
+      py::arg("kernel_size"),
+      py::arg("padding"),
+      py::arg("bias"),
+      py::arg("group"),
+      ReleaseGil());
   m.def(
       "load_dense_qkv_",
       [](at::Tensor weight,

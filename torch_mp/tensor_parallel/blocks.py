@@ -15,8 +15,6 @@ rank's part, so ranks seeded alike hold one dense model, the one that seed gives
 
 from __future__ import annotations
 
-import struct
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,26 +28,17 @@ from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2
 from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
-def _agree(group: dist.ProcessGroup, what: str, **values) -> None:
-    """Raises on every rank unless all ranks of ``group`` pass the same values (floats compared
-    by their bits, activations by name). Runs before any check that could fail on one rank."""
-    ids = {"gelu": 0, "relu": 1}
-    encoded = [
-        struct.unpack("<q", struct.pack("<d", v))[0]
-        if isinstance(v, float)
-        else ids.get(v, -1)
-        if isinstance(v, str)
-        else int(v)
-        for v in values.values()
-    ]
-    names = [f"{k} (bits)" if isinstance(v, float) else k for k, v in values.items()]
-    _C.check_same_across_ranks(
-        encoded, group.group_name, f"{what} configuration [{', '.join(names)}]"
-    )
-
-
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else get_mesh().tp_group
+
+
+def _column_row_pair(
+    column: tuple[int, int], row: tuple[int, int], bias: bool, sequence_parallel: bool, group
+) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    """A column layer and a row layer (input split, as a column layer leaves it) of the given
+    (in, out) sizes, built on the meta device for the caller to fill."""
+    common = {"sequence_parallel": sequence_parallel, "group": group, "device": "meta"}
+    return ColumnParallelLinear(*column, bias, **common), RowParallelLinear(*row, bias, **common)
 
 
 def _materialise(module: nn.Module, device, dtype) -> None:
@@ -159,33 +148,17 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         super().__init__()
         self.group = _group(group)
         self.tp_size = dist.get_world_size(self.group)
-        _agree(
-            self.group,
-            "ParallelSelfAttention",
-            hidden_size=hidden_size,
-            num_heads=num_heads,
-            bias=bias,
-            dropout=float(dropout),
-            sequence_parallel=sequence_parallel,
+        _C.check_parallel_self_attention(
+            hidden_size, num_heads, bias, dropout, sequence_parallel, self.group.group_name
         )
-        _C.check_heads(hidden_size, num_heads, self.group.group_name)
         self.hidden_size, self.num_heads, self.dropout = hidden_size, num_heads, dropout
         self.sequence_parallel = sequence_parallel
-        self.qkv = ColumnParallelLinear(
-            hidden_size,
-            3 * hidden_size,
+        self.qkv, self.proj = _column_row_pair(
+            (hidden_size, 3 * hidden_size),
+            (hidden_size, hidden_size),
             bias,
-            sequence_parallel=sequence_parallel,
-            group=self.group,
-            device="meta",
-        )
-        self.proj = RowParallelLinear(
-            hidden_size,
-            hidden_size,
-            bias,
-            sequence_parallel=sequence_parallel,
-            group=self.group,
-            device="meta",
+            sequence_parallel,
+            self.group,
         )
         _materialise(self, device, dtype)
 
@@ -303,37 +276,22 @@ class ParallelMLP(SharesGroup, nn.Module):
     ) -> None:
         super().__init__()
         self.group = _group(group)
-        _agree(
-            self.group,
-            "ParallelMLP",
-            hidden_size=hidden_size,
-            ffn_hidden_size=ffn_hidden_size,
-            bias=bias,
-            activation=activation,
-            dropout=float(dropout),
-            sequence_parallel=sequence_parallel,
+        _C.check_parallel_mlp(
+            hidden_size,
+            ffn_hidden_size,
+            bias,
+            activation,
+            dropout,
+            sequence_parallel,
+            self.group.group_name,
         )
-        if activation not in ("gelu", "relu"):
-            raise ValueError(
-                f"ParallelMLP: activation must be 'relu' or 'gelu', got {activation!r}"
-            )
-        _C.divide(ffn_hidden_size, dist.get_world_size(self.group), "ParallelMLP: ffn_hidden_size")
         self.activation, self.dropout = activation, dropout
-        self.fc1 = ColumnParallelLinear(
-            hidden_size,
-            ffn_hidden_size,
+        self.fc1, self.fc2 = _column_row_pair(
+            (hidden_size, ffn_hidden_size),
+            (ffn_hidden_size, hidden_size),
             bias,
-            sequence_parallel=sequence_parallel,
-            group=self.group,
-            device="meta",
-        )
-        self.fc2 = RowParallelLinear(
-            ffn_hidden_size,
-            hidden_size,
-            bias,
-            sequence_parallel=sequence_parallel,
-            group=self.group,
-            device="meta",
+            sequence_parallel,
+            self.group,
         )
         _materialise(self, device, dtype)
 
@@ -413,12 +371,7 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         super().__init__()
         self.group = _group(group)
         # What the attention and MLP do not check themselves.
-        _agree(
-            self.group,
-            "ParallelTransformerLayer",
-            norm_first=norm_first,
-            layer_norm_eps=float(layer_norm_eps),
-        )
+        _C.check_parallel_transformer_layer(norm_first, layer_norm_eps, self.group.group_name)
         self.norm_first, self.dropout, self.sequence_parallel = (
             norm_first,
             dropout,
@@ -545,17 +498,15 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         super().__init__()
         self.group = _group(group)
         padding = kernel_size // 2 if padding is None else padding
-        _agree(
-            self.group,
-            "ParallelConvBlock",
-            in_channels=in_channels,
-            mid_channels=mid_channels,
-            out_channels=out_channels,
-            kernel_size=kernel_size,
-            padding=padding,
-            bias=bias,
+        _C.check_parallel_conv_block(
+            in_channels,
+            mid_channels,
+            out_channels,
+            kernel_size,
+            padding,
+            bias,
+            self.group.group_name,
         )
-        _C.divide(mid_channels, dist.get_world_size(self.group), "ParallelConvBlock: mid_channels")
         conv = {"padding": padding, "bias": bias, "group": self.group, "device": "meta"}
         self.conv1 = ColumnParallelConv2d(in_channels, mid_channels, kernel_size, **conv)
         self.norm = nn.BatchNorm2d(mid_channels // dist.get_world_size(self.group), device="meta")

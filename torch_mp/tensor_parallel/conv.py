@@ -24,7 +24,8 @@ from torch_mp.mesh import get_mesh
 
 
 class _ParallelConv2d(SharesGroup, nn.Module):
-    """What the two layers share; subclasses set ``_SHARD_DIM`` and ``_flag``."""
+    """What the two layers share; subclasses set ``_SHARD_DIM`` and pass their flag
+    (``gather_output`` / ``input_is_parallel``) for the core's checks."""
 
     _SHARD_DIM: int
 
@@ -42,6 +43,7 @@ class _ParallelConv2d(SharesGroup, nn.Module):
         group: dist.ProcessGroup | None,
         device,
         dtype,
+        flag: bool,
     ) -> None:
         super().__init__()
         self.group = group if group is not None else get_mesh().tp_group
@@ -65,7 +67,7 @@ class _ParallelConv2d(SharesGroup, nn.Module):
             bias,
             padding_mode,
         )
-        _C.check_parallel_conv2d(self._geometry, self._SHARD_DIM, self._flag, self.group.group_name)
+        _C.check_parallel_conv2d(self._geometry, self._SHARD_DIM, flag, self.group.group_name)
         shape = [out_channels, in_channels, *self.kernel_size]
         shape[self._SHARD_DIM] //= self.tp_size
         factory = {"device": device, "dtype": dtype}
@@ -76,10 +78,6 @@ class _ParallelConv2d(SharesGroup, nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-
-    @property
-    def _flag(self) -> bool:
-        raise NotImplementedError
 
     def reset_parameters(self) -> None:
         """Draws this rank's shard of a dense layer initialised exactly as ``nn.Conv2d`` is."""
@@ -196,11 +194,8 @@ class ColumnParallelConv2d(_ParallelConv2d):
             group,
             device,
             dtype,
+            gather_output,
         )
-
-    @property
-    def _flag(self) -> bool:
-        return self.gather_output
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _C.column_parallel_conv2d(
@@ -261,11 +256,8 @@ class RowParallelConv2d(_ParallelConv2d):
             group,
             device,
             dtype,
+            input_is_parallel,
         )
-
-    @property
-    def _flag(self) -> bool:
-        return self.input_is_parallel
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _C.row_parallel_conv2d(

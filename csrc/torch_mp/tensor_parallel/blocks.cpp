@@ -124,7 +124,18 @@ at::Tensor attention_heads(const at::Tensor& qkv,
   return context.permute({2, 0, 1, 3}).reshape({s, b, width});
 }
 
-void check_heads(int64_t hidden_size, int64_t num_heads, const GroupPtr& group) {
+void check_parallel_self_attention(int64_t hidden_size,
+                                   int64_t num_heads,
+                                   bool bias,
+                                   double dropout,
+                                   bool sequence_parallel,
+                                   const GroupPtr& group) {
+  // Agreement first: a check that fails on one rank only would leave the others waiting.
+  comm::check_same_across_ranks(
+      {hidden_size, num_heads, bias, bits(dropout), sequence_parallel},
+      group,
+      "ParallelSelfAttention configuration [hidden_size, num_heads, bias, dropout (bits), "
+      "sequence_parallel]");
   TORCH_CHECK(num_heads > 0 && hidden_size % num_heads == 0,
               "ParallelSelfAttention: hidden_size (",
               hidden_size,
@@ -132,6 +143,50 @@ void check_heads(int64_t hidden_size, int64_t num_heads, const GroupPtr& group) 
               num_heads,
               ")");
   divide(num_heads, group->getSize(), "ParallelSelfAttention: num_heads");
+}
+
+void check_parallel_mlp(int64_t hidden_size,
+                        int64_t ffn_hidden_size,
+                        bool bias,
+                        const std::string& activation_name,
+                        double dropout,
+                        bool sequence_parallel,
+                        const GroupPtr& group) {
+  comm::check_same_across_ranks({hidden_size,
+                                 ffn_hidden_size,
+                                 bias,
+                                 activation_id(activation_name),
+                                 bits(dropout),
+                                 sequence_parallel},
+                                group,
+                                "ParallelMLP configuration [hidden_size, ffn_hidden_size, bias, "
+                                "activation (0 gelu, 1 relu), dropout (bits), sequence_parallel]");
+  activation(at::zeros({1}), activation_name);  // raises on an unknown name
+  divide(ffn_hidden_size, group->getSize(), "ParallelMLP: ffn_hidden_size");
+}
+
+void check_parallel_transformer_layer(bool norm_first,
+                                      double layer_norm_eps,
+                                      const GroupPtr& group) {
+  comm::check_same_across_ranks(
+      {norm_first, bits(layer_norm_eps)},
+      group,
+      "ParallelTransformerLayer configuration [norm_first, layer_norm_eps (bits)]");
+}
+
+void check_parallel_conv_block(int64_t in_channels,
+                               int64_t mid_channels,
+                               int64_t out_channels,
+                               int64_t kernel_size,
+                               int64_t padding,
+                               bool bias,
+                               const GroupPtr& group) {
+  comm::check_same_across_ranks(
+      {in_channels, mid_channels, out_channels, kernel_size, padding, bias},
+      group,
+      "ParallelConvBlock configuration [in_channels, mid_channels, out_channels, kernel_size, "
+      "padding, bias]");
+  divide(mid_channels, group->getSize(), "ParallelConvBlock: mid_channels");
 }
 
 void load_dense_qkv_(at::Tensor& weight,
@@ -197,12 +252,8 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(ParallelSelfAttentionOption
 void ParallelSelfAttentionImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
-  comm::check_same_across_ranks(
-      {o.hidden_size(), o.num_heads(), o.bias(), bits(o.dropout()), o.sequence_parallel()},
-      o.group(),
-      "ParallelSelfAttention configuration [hidden_size, num_heads, bias, dropout (bits), "
-      "sequence_parallel]");
-  check_heads(o.hidden_size(), o.num_heads(), o.group());
+  check_parallel_self_attention(
+      o.hidden_size(), o.num_heads(), o.bias(), o.dropout(), o.sequence_parallel(), o.group());
   qkv = register_module("qkv",
                         ColumnParallelLinearImpl::uninitialised(
                             ColumnParallelLinearOptions(o.hidden_size(), 3 * o.hidden_size())
@@ -303,17 +354,13 @@ ParallelMLPImpl::ParallelMLPImpl(ParallelMLPOptions options_, bool initialise)
 void ParallelMLPImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
-  comm::check_same_across_ranks({o.hidden_size(),
-                                 o.ffn_hidden_size(),
-                                 o.bias(),
-                                 activation_id(o.activation()),
-                                 bits(o.dropout()),
-                                 o.sequence_parallel()},
-                                o.group(),
-                                "ParallelMLP configuration [hidden_size, ffn_hidden_size, bias, "
-                                "activation (0 gelu, 1 relu), dropout (bits), sequence_parallel]");
-  activation(at::zeros({1}), o.activation());  // raises on an unknown name
-  divide(o.ffn_hidden_size(), o.group()->getSize(), "ParallelMLP: ffn_hidden_size");
+  check_parallel_mlp(o.hidden_size(),
+                     o.ffn_hidden_size(),
+                     o.bias(),
+                     o.activation(),
+                     o.dropout(),
+                     o.sequence_parallel(),
+                     o.group());
   fc1 = register_module("fc1",
                         ColumnParallelLinearImpl::uninitialised(
                             ColumnParallelLinearOptions(o.hidden_size(), o.ffn_hidden_size())
@@ -386,10 +433,7 @@ void ParallelTransformerLayerImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
   // What the attention and MLP do not check themselves.
-  comm::check_same_across_ranks(
-      {o.norm_first(), bits(o.layer_norm_eps())},
-      o.group(),
-      "ParallelTransformerLayer configuration [norm_first, layer_norm_eps (bits)]");
+  check_parallel_transformer_layer(o.norm_first(), o.layer_norm_eps(), o.group());
   const auto norm_options = torch::nn::LayerNormOptions({o.hidden_size()}).eps(o.layer_norm_eps());
   norm1 = register_module("norm1", torch::nn::LayerNorm(norm_options));
   self_attn = register_module("self_attn",
@@ -487,12 +531,13 @@ void ParallelConvBlockImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
   const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
-  comm::check_same_across_ranks(
-      {o.in_channels(), o.mid_channels(), o.out_channels(), o.kernel_size(), padding, o.bias()},
-      o.group(),
-      "ParallelConvBlock configuration [in_channels, mid_channels, out_channels, kernel_size, "
-      "padding, bias]");
-  divide(o.mid_channels(), o.group()->getSize(), "ParallelConvBlock: mid_channels");
+  check_parallel_conv_block(o.in_channels(),
+                            o.mid_channels(),
+                            o.out_channels(),
+                            o.kernel_size(),
+                            padding,
+                            o.bias(),
+                            o.group());
   auto conv1_options =
       ColumnParallelConv2dOptions(o.in_channels(), o.mid_channels(), o.kernel_size())
           .group(o.group());

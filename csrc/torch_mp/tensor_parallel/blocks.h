@@ -59,8 +59,40 @@ at::Tensor attention_heads(const at::Tensor& qkv,
                            bool is_causal,
                            double dropout_p);
 
-/// Raises unless `num_heads` divides `hidden_size` and the group size divides `num_heads`.
-void check_heads(int64_t hidden_size, int64_t num_heads, const GroupPtr& group);
+// Configuration checks of the blocks, shared by the C++ and Python modules. Each first compares
+// the configuration across the ranks of `group` (one small all-gather; floats by their bits), so
+// that a value bad on one rank raises on every rank, then checks it locally.
+
+/// num_heads divides hidden_size and the group size divides num_heads.
+void check_parallel_self_attention(int64_t hidden_size,
+                                   int64_t num_heads,
+                                   bool bias,
+                                   double dropout,
+                                   bool sequence_parallel,
+                                   const GroupPtr& group);
+
+/// A known activation ("gelu", "relu") and ffn_hidden_size divisible by the group size.
+void check_parallel_mlp(int64_t hidden_size,
+                        int64_t ffn_hidden_size,
+                        bool bias,
+                        const std::string& activation,
+                        double dropout,
+                        bool sequence_parallel,
+                        const GroupPtr& group);
+
+/// What a transformer layer adds to its attention's and MLP's checks.
+void check_parallel_transformer_layer(bool norm_first,
+                                      double layer_norm_eps,
+                                      const GroupPtr& group);
+
+/// mid_channels divisible by the group size.
+void check_parallel_conv_block(int64_t in_channels,
+                               int64_t mid_channels,
+                               int64_t out_channels,
+                               int64_t kernel_size,
+                               int64_t padding,
+                               bool bias,
+                               const GroupPtr& group);
 
 /// Copies this rank's heads of a dense [3h, h] in-projection (Q; K; V stacked, as in
 /// torch::nn::MultiheadAttention) into `weight` [3h/t, h] (and of the [3h] bias into `bias`).
