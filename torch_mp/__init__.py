@@ -13,12 +13,16 @@ import torch.distributed  # noqa: F401  (registers the c10d types the core uses)
 
 from torch_mp import (
     _C,  # noqa: F401
+    data_parallel,
     dense,
     functional,
     pipeline,
     random,
     tensor_parallel,
 )
+from torch_mp.clip_grad import clip_grad_norm_
+from torch_mp.data_parallel import DataParallel
+from torch_mp.layout import ParameterLayout, layout_of, set_layout
 from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
 from torch_mp.tensor_parallel import (
     ColumnParallelConv2d,
@@ -38,7 +42,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ColumnParallelConv2d",
     "ColumnParallelLinear",
+    "DataParallel",
     "Mesh",
+    "ParameterLayout",
     "ParallelConvBlock",
     "ParallelMLP",
     "ParallelSelfAttention",
@@ -46,12 +52,16 @@ __all__ = [
     "RowParallelConv2d",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "clip_grad_norm_",
+    "data_parallel",
     "dense",
     "functional",
     "get_mesh",
     "init",
+    "layout_of",
     "pipeline",
     "random",
+    "set_layout",
     "set_mesh",
     "tensor_parallel",
     "vocab_parallel_cross_entropy",

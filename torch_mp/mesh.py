@@ -26,6 +26,10 @@ class Mesh:
         pp_group: The pipeline-parallel group.
         dp_group: The data-parallel group.
         tp_size, pp_size, dp_size: The sizes of the three axes.
+        embedding_group: The ranks of the first and last pipeline stages with this rank's data
+            and tensor coordinates, where a tied embedding/head is summed
+            (:meth:`torch_mp.pipeline.Pipeline` ``tied_parameters``); None on the ranks of the
+            stages in between.
     """
 
     tp_group: dist.ProcessGroup
@@ -34,6 +38,7 @@ class Mesh:
     tp_size: int
     pp_size: int
     dp_size: int
+    embedding_group: dist.ProcessGroup | None = None
 
     def __repr__(self) -> str:
         return (
@@ -122,6 +127,7 @@ def init(
         tp_size=tp,
         pp_size=pp,
         dp_size=dp,
+        embedding_group=mine.get("embedding"),
     )
     return _default_mesh
 

@@ -14,6 +14,7 @@ namespace py = pybind11;
 namespace tp = torch_mp::tensor_parallel;
 
 namespace torch_mp::python {
+void bind_data_parallel(py::module_& parent);    // data_parallel_bindings.cpp
 void bind_pipeline(py::module_& parent);         // pipeline_bindings.cpp
 void bind_tensor_parallel(py::module_& module);  // tensor_parallel_bindings.cpp
 }  // namespace torch_mp::python
@@ -51,6 +52,7 @@ void def_collective_along(py::module_& m, const char* name, Fn op) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
+  torch_mp::python::bind_data_parallel(m);
   torch_mp::python::bind_pipeline(m);
   torch_mp::python::bind_tensor_parallel(m);
 
@@ -73,6 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         groups["tp"] = shape.groups(torch_mp::Axis::kTensor);
         groups["dp"] = shape.groups(torch_mp::Axis::kData);
         groups["pp"] = shape.groups(torch_mp::Axis::kPipeline);
+        groups["embedding"] = shape.embedding_groups();
         return groups;
       },
       py::arg("tp"),

@@ -82,11 +82,15 @@ void bind_pipeline(py::module_& parent) {
 
   py::class_<Stage>(m, "Stage", "A stage's forward and the parameters its W differentiates.")
       .def(py::init([](std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> fn,
-                       std::vector<at::Tensor> parameters) {
-             return Stage{std::move(fn), std::move(parameters)};
+                       std::vector<at::Tensor> parameters,
+                       std::optional<std::function<void()>> arm_gradient_sync) {
+             return Stage{std::move(fn),
+                          std::move(parameters),
+                          arm_gradient_sync.value_or(std::function<void()>())};
            }),
            py::arg("forward"),
-           py::arg("parameters"));
+           py::arg("parameters"),
+           py::arg("arm_gradient_sync") = py::none());
 
   py::class_<Pipeline>(m, "Pipeline", "Runs this rank's stages under a pipeline schedule.")
       .def(py::init([](std::vector<Stage> stages,
@@ -133,6 +137,15 @@ void bind_pipeline(py::module_& parent) {
            py::arg("inputs"),
            py::arg("targets"),
            py::call_guard<py::gil_scoped_release>())
+      .def(
+          "tie_parameters",
+          [](Pipeline& pipe, std::vector<at::Tensor> parameters, const std::string& group) {
+            pipe.tie_parameters(std::move(parameters),
+                                group.empty() ? GroupPtr() : c10d::resolve_process_group(group));
+          },
+          py::arg("parameters"),
+          py::arg("group"),
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("trace", &Pipeline::trace)
       .def_property_readonly("schedule", &Pipeline::schedule);
 

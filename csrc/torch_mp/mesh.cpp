@@ -85,28 +85,41 @@ std::vector<std::vector<int64_t>> MeshShape::groups(Axis axis) const {
   return result;
 }
 
+std::vector<std::vector<int64_t>> MeshShape::embedding_groups() const {
+  std::vector<std::vector<int64_t>> result;
+  for (int64_t d = 0; d < dp; ++d) {
+    for (int64_t t = 0; t < tp; ++t) {
+      std::vector<int64_t> ranks{rank({0, d, t})};
+      if (pp > 1) {
+        ranks.push_back(rank({pp - 1, d, t}));
+      }
+      result.push_back(std::move(ranks));
+    }
+  }
+  return result;
+}
+
 namespace {
 
 const char* axis_name(Axis axis) {
   return axis == Axis::kTensor ? "tp" : axis == Axis::kData ? "dp" : "pp";
 }
 
-// Creates this rank's group along `axis`; each group rendezvouses under its own store prefix.
-GroupPtr make_axis_group(const StorePtr& store,
-                         const MeshShape& shape,
-                         Axis axis,
-                         int64_t rank,
-                         Backend backend,
-                         std::chrono::milliseconds timeout) {
-  const auto groups = shape.groups(axis);
+// Creates this rank's group among `groups` (null if it is in none); each group rendezvouses
+// under its own store prefix.
+GroupPtr make_group(const StorePtr& store,
+                    const std::vector<std::vector<int64_t>>& groups,
+                    const std::string& label,
+                    int64_t rank,
+                    Backend backend,
+                    std::chrono::milliseconds timeout) {
   for (size_t index = 0; index < groups.size(); ++index) {
     const auto& ranks = groups[index];
     const auto it = std::find(ranks.begin(), ranks.end(), rank);
     if (it == ranks.end()) {
       continue;
     }
-    const std::string name =
-        std::string("torch_mp/") + axis_name(axis) + "/" + std::to_string(index);
+    const std::string name = "torch_mp/" + label + "/" + std::to_string(index);
     return new_process_group(c10::make_intrusive<c10d::PrefixStore>(name, store),
                              static_cast<int>(it - ranks.begin()),
                              static_cast<int>(ranks.size()),
@@ -114,7 +127,18 @@ GroupPtr make_axis_group(const StorePtr& store,
                              timeout,
                              name);
   }
-  TORCH_INTERNAL_ASSERT(false, "rank ", rank, " is in no ", axis_name(axis), " group");
+  return {};
+}
+
+GroupPtr make_axis_group(const StorePtr& store,
+                         const MeshShape& shape,
+                         Axis axis,
+                         int64_t rank,
+                         Backend backend,
+                         std::chrono::milliseconds timeout) {
+  GroupPtr group = make_group(store, shape.groups(axis), axis_name(axis), rank, backend, timeout);
+  TORCH_INTERNAL_ASSERT(group, "rank ", rank, " is in no ", axis_name(axis), " group");
+  return group;
 }
 
 std::string env_or_throw(const char* name) {
@@ -159,6 +183,8 @@ std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
       make_axis_group(store, mesh->shape, Axis::kData, rank, backend, options.timeout());
   mesh->pp_group =
       make_axis_group(store, mesh->shape, Axis::kPipeline, rank, backend, options.timeout());
+  mesh->embedding_group = make_group(
+      store, mesh->shape.embedding_groups(), "embedding", rank, backend, options.timeout());
   return mesh;
 }
 

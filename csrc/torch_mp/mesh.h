@@ -56,6 +56,9 @@ struct MeshShape {
   /// Every group along `axis`, each as its world ranks in group-rank order. Groups are listed in
   /// one fixed order, the same on every rank.
   std::vector<std::vector<int64_t>> groups(Axis axis) const;
+  /// The embedding groups: the ranks of the first and the last pipeline stage with the same data
+  /// and tensor coordinates (one rank when pp = 1), where a tied embedding/head is summed.
+  std::vector<std::vector<int64_t>> embedding_groups() const;
 };
 
 /// Options for `init` and `make_mesh`.
@@ -80,6 +83,9 @@ struct Mesh {
   GroupPtr tp_group;
   GroupPtr dp_group;
   GroupPtr pp_group;
+  /// The first and last pipeline stages' ranks of this rank's data and tensor coordinates (see
+  /// MeshShape::embedding_groups); null on ranks of the stages in between.
+  GroupPtr embedding_group;
 
   int64_t tp_rank() const { return shape.coord(rank).tp; }
   int64_t dp_rank() const { return shape.coord(rank).dp; }

@@ -1,8 +1,12 @@
 #pragma once
 // torch_mp for LibTorch applications: include this one header and link torch_mp::torch_mp.
 
+#include "torch_mp/clip_grad.h"                      // IWYU pragma: export
 #include "torch_mp/collectives.h"                    // IWYU pragma: export
+#include "torch_mp/data_parallel/data_parallel.h"     // IWYU pragma: export
+#include "torch_mp/data_parallel/gradient_sync.h"    // IWYU pragma: export
 #include "torch_mp/dense.h"                          // IWYU pragma: export
+#include "torch_mp/layout.h"                         // IWYU pragma: export
 #include "torch_mp/mesh.h"                           // IWYU pragma: export
 #include "torch_mp/pipeline/executor.h"              // IWYU pragma: export
 #include "torch_mp/pipeline/partition.h"             // IWYU pragma: export

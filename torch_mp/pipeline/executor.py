@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_mp._C import pipeline as _core
+from torch_mp.data_parallel import stage_hooks
 from torch_mp.mesh import Mesh, get_mesh
 from torch_mp.pipeline.schedule import Schedule
 
@@ -41,7 +42,10 @@ class Pipeline:
     Args:
         stage_modules: This rank's stage, or its stages in increasing order for schedules with
             several stages per rank (rank ``r`` of ``p`` holds stages ``r, r + p, ...``). A stage
-            takes and returns a tensor or a tuple of tensors.
+            takes and returns a tensor or a tuple of tensors. A stage wrapped in
+            :class:`torch_mp.DataParallel` or ``DistributedDataParallel`` (over
+            ``mesh.dp_group``) has its gradients averaged over the data group once per step,
+            right after its last backward, for every schedule.
         schedule: A schedule name (see :func:`torch_mp.pipeline.schedule_names`) or a
             :class:`~torch_mp.pipeline.Schedule`.
         num_microbatches: Micro-batches per step; the batch size must be divisible by it.
@@ -49,6 +53,13 @@ class Pipeline:
             (e.g. ``nn.functional.mse_loss``).
         mesh: Uses ``mesh.pp_group``; ``group`` instead gives the pipeline group directly; the
             default mesh's when neither is given.
+        tied_parameters: Parameters of the first stage tied to as many of the last stage (the
+            input embedding and the output head): the ranks holding the first and the last stage
+            each pass theirs, in the same order; others pass none. The last stage's copies start
+            from the first stage's values, their gradients are summed over
+            ``mesh.embedding_group`` after every step (so both copies stay equal under any
+            optimizer), and norms count them once. With one pipeline rank, share the parameter
+            itself instead.
 
     Raises:
         RuntimeError: If the schedule cannot run (it is simulated first), does not fit the group
@@ -64,12 +75,14 @@ class Pipeline:
         *,
         mesh: Mesh | None = None,
         group: dist.ProcessGroup | None = None,
+        tied_parameters: Sequence[torch.Tensor] = (),
     ) -> None:
         modules = [stage_modules] if isinstance(stage_modules, nn.Module) else list(stage_modules)
         if mesh is not None and group is not None:
             raise ValueError("Pipeline: pass mesh= or group=, not both")
         if group is None:
-            group = (mesh or get_mesh()).pp_group
+            mesh = mesh or get_mesh()
+            group = mesh.pp_group
         if isinstance(schedule, str) and num_microbatches is None:
             raise ValueError("Pipeline: num_microbatches is required with a schedule name")
         given = None if isinstance(schedule, str) else schedule.num_microbatches
@@ -80,18 +93,27 @@ class Pipeline:
         self.modules = modules
         self.loss_fn = loss_fn
         self.group = group
-        stages = [
-            _core.Stage(
-                lambda inputs, module=module: _as_list(module(*inputs)), list(module.parameters())
+        stages = []
+        for module in modules:
+            forward, arm = stage_hooks(module)
+            stages.append(
+                _core.Stage(
+                    lambda inputs, forward=forward: _as_list(forward(*inputs)),
+                    list(module.parameters()),
+                    arm,
+                )
             )
-            for module in modules
-        ]
         # The C++ object must not refer back to self: Python's collector cannot see that cycle.
         loss = functools.partial(_call_loss, loss_fn)
         if isinstance(schedule, str):
             self._core = _core.Pipeline(stages, loss, schedule, num_microbatches, group.group_name)
         else:
             self._core = _core.Pipeline(stages, loss, schedule, group.group_name)
+        if tied_parameters or (mesh is not None and mesh.embedding_group is not None):
+            embedding_group = mesh.embedding_group if mesh is not None else None
+            self._core.tie_parameters(
+                list(tied_parameters), embedding_group.group_name if embedding_group else ""
+            )
 
     @property
     def schedule(self) -> Schedule:

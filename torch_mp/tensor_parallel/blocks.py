@@ -87,6 +87,11 @@ class LayerNorm(SharesGroup, nn.LayerNorm):
             raise ValueError("torch_mp LayerNorm normalises over the last dim only")
         self.sequence_parallel = sequence_parallel
         self.group = _group(group)
+        self._register_layouts()
+
+    def _register_layouts(self) -> None:
+        for param in self.parameters(recurse=False):
+            _C.set_layout(param, None, self.group.group_name)  # replicated
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return _C.layer_norm(
@@ -512,6 +517,10 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         self.norm = nn.BatchNorm2d(mid_channels // dist.get_world_size(self.group), device="meta")
         self.conv2 = RowParallelConv2d(mid_channels, out_channels, kernel_size, **conv)
         _materialise(self, device, dtype)
+
+    def _register_layouts(self) -> None:
+        for param in self.norm.parameters():
+            _C.set_layout(param, 0, self.group.group_name)  # this rank's channels
 
     def reset_parameters(self) -> None:
         """Draws conv1 then conv2 as ``nn.Conv2d`` layers would be drawn."""

@@ -78,6 +78,12 @@ class _ParallelConv2d(SharesGroup, nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        self._register_layouts()
+
+    def _register_layouts(self) -> None:
+        _C.set_weight_and_bias_layout(
+            self.weight, self.bias, self._SHARD_DIM, self.group.group_name
+        )
 
     def reset_parameters(self) -> None:
         """Draws this rank's shard of a dense layer initialised exactly as ``nn.Conv2d`` is."""

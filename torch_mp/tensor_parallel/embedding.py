@@ -68,6 +68,10 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
         self.num_embeddings_per_partition = rows
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
+        self._register_layouts()
+
+    def _register_layouts(self) -> None:
+        _C.set_layout(self.weight, 0, self.group.group_name)  # this rank's vocabulary rows
 
     def reset_parameters(self) -> None:
         """Draws this rank's rows of a table initialised exactly as ``nn.Embedding`` does (ranks

@@ -52,10 +52,14 @@ class _ParallelLinear(SharesGroup, nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        self._register_layouts()
 
     @property
     def _group_name(self) -> str:
         return self.group.group_name
+
+    def _register_layouts(self) -> None:
+        _C.set_weight_and_bias_layout(self.weight, self.bias, self._SHARD_DIM, self._group_name)
 
     def reset_parameters(self) -> None:
         """Draws this rank's shard of a dense layer initialised exactly as ``nn.Linear`` is.

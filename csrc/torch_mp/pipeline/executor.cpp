@@ -108,6 +108,24 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
               schedule_.stages_per_rank,
               " stage(s) on each rank");
   simulate(schedule_);  // raises, naming rank, step and action, if the schedule cannot run
+  last_backward_.resize(stages_.size());
+  const auto& mine = schedule_.actions[rank_];
+  for (size_t i = 0; i < mine.size(); ++i) {
+    auto& last = last_backward_[mine[i].stage / schedule_.num_ranks()];
+    switch (mine[i].kind) {
+      case ActionKind::kFullBackward:
+        last.full = i;
+        break;
+      case ActionKind::kBackwardInput:
+        last.input = i;
+        break;
+      case ActionKind::kBackwardWeight:
+        last.weight = i;
+        break;
+      default:
+        break;
+    }
+  }
   for (const auto& stage : stages_) {
     if (!stage.parameters.empty()) {
       device_ = stage.parameters[0].device();
@@ -201,7 +219,7 @@ std::vector<at::Tensor> Executor::gradients_for(const Action& a, Slot& slot) {
   return slot.output_grads;
 }
 
-void Executor::backward(const Action& a, Slot& slot) {
+void Executor::backward(const Action& a, size_t index, Slot& slot) {
   auto grads = gradients_for(a, slot);
   // Only outputs that take part in autograd get a gradient.
   std::vector<at::Tensor> outs;
@@ -227,6 +245,7 @@ void Executor::backward(const Action& a, Slot& slot) {
   // do and W would walk the whole graph; running the whole backward at B leaves W nothing.
   if (a.kind == ActionKind::kFullBackward || leaves.empty()) {
     if (!outs.empty()) {
+      before_accumulating(a, index);
       torch::autograd::backward(outs, out_grads);
     }
     for (size_t j = 0; j < leaves.size(); ++j) {
@@ -254,14 +273,15 @@ void Executor::backward(const Action& a, Slot& slot) {
   slot.inputs.clear();
 }
 
-void Executor::weight(Slot& slot, int64_t stage) {
+void Executor::weight(const Action& a, size_t index, Slot& slot) {
   std::vector<at::Tensor> params;
-  for (const auto& p : local(stage).parameters) {
+  for (const auto& p : local(a.stage).parameters) {
     if (p.requires_grad()) {
       params.push_back(p);
     }
   }
   if (!slot.outputs.empty() && !params.empty()) {
+    before_accumulating(a, index);
     torch::autograd::backward(slot.outputs,
                               slot.output_grads,
                               /*retain_graph=*/false,
@@ -270,6 +290,32 @@ void Executor::weight(Slot& slot, int64_t stage) {
   }
   slot.outputs.clear();
   slot.output_grads.clear();
+}
+
+void Executor::before_accumulating(const Action& a, size_t index) {
+  const int64_t local_index = a.stage / schedule_.num_ranks();
+  const Stage& stage = stages_[local_index];
+  if (!stage.arm_gradient_sync) {
+    return;
+  }
+  // A wrong gradient is worse than an error: nothing may accumulate once the reduction began.
+  TORCH_CHECK(!sync_armed_[local_index],
+              "Pipeline: stage ",
+              a.stage,
+              " (rank ",
+              rank_,
+              ") accumulates parameter gradients at ",
+              a.to_string(),
+              " after its data-parallel reduction started; this schedule cannot be combined with "
+              "data parallelism");
+  const auto& last = last_backward_[local_index];
+  const size_t last_index = a.kind == ActionKind::kFullBackward ? last.full
+                            : a.kind == ActionKind::kBackwardInput ? last.input
+                                                                   : last.weight;
+  if (index == last_index) {
+    stage.arm_gradient_sync();
+    sync_armed_[local_index] = true;
+  }
 }
 
 std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
@@ -286,10 +332,12 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
   trace_.clear();
   pending_sends_.clear();
   broken_ = true;  // until this step completes
+  sync_armed_.assign(stages_.size(), false);
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
-  for (const Action& a : actions) {
+  for (size_t index = 0; index < actions.size(); ++index) {
+    const Action& a = actions[index];
     const double began = seconds();
     Slot& slot = slots_[{a.stage, a.microbatch}];
     switch (a.kind) {
@@ -326,10 +374,10 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
         break;
       case ActionKind::kBackwardInput:
       case ActionKind::kFullBackward:
-        backward(a, slot);
+        backward(a, index, slot);
         break;
       case ActionKind::kBackwardWeight:
-        weight(slot, a.stage);
+        weight(a, index, slot);
         break;
     }
     trace_.push_back({rank_, a, began, seconds()});
@@ -341,6 +389,16 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
   }
   pending_sends_.clear();
   slots_.clear();
+  if (train) {
+    for (size_t i = 0; i < stages_.size(); ++i) {
+      TORCH_CHECK(!stages_[i].arm_gradient_sync || sync_armed_[i],
+                  "Pipeline: stage ",
+                  rank_ + static_cast<int64_t>(i) * schedule_.num_ranks(),
+                  " (rank ",
+                  rank_,
+                  ") never reached the backward that reduces its data-parallel gradients");
+    }
+  }
   broken_ = false;
   if (losses_.empty()) {
     return std::nullopt;

@@ -18,6 +18,12 @@ namespace torch_mp::pipeline {
 struct Stage {
   std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
   std::vector<at::Tensor> parameters;
+  /// For a data-parallel stage: arms its gradient reduction. The executor calls it once per
+  /// step, right before the stage's last backward that accumulates parameter gradients (its
+  /// last W, BW, or the B that runs the whole backward), so that the reduction runs once, over
+  /// every micro-batch's gradients, overlapped with that backward. `forward` must not arm it
+  /// (a DDP module runs its forwards under no_sync).
+  std::function<void()> arm_gradient_sync;
 };
 
 /// The loss of the last stage's outputs against a micro-batch's targets (a scalar, averaged over
@@ -58,6 +64,8 @@ class Executor {
   /// What the last step did on this rank, with wall-clock times (seconds from its start).
   const std::vector<TimedAction>& trace() const { return trace_; }
   const Schedule& schedule() const { return schedule_; }
+  /// This rank in the pipeline group.
+  int64_t rank() const { return rank_; }
 
  private:
   // What one (stage, micro-batch) holds between its actions.
@@ -79,8 +87,9 @@ class Executor {
                const std::vector<std::vector<at::Tensor>>& targets,
                bool train,
                std::vector<std::vector<at::Tensor>>* outputs);
-  void backward(const Action& a, Slot& slot);
-  void weight(Slot& slot, int64_t stage);
+  void backward(const Action& a, size_t index, Slot& slot);
+  void weight(const Action& a, size_t index, Slot& slot);
+  void before_accumulating(const Action& a, size_t index);
   std::vector<at::Tensor> gradients_for(const Action& a, Slot& slot);
   int tag(ActionKind kind, int64_t stage, int64_t microbatch) const;
   Stage& local(int64_t stage);
@@ -95,6 +104,13 @@ class Executor {
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends_;
   std::vector<at::Tensor> losses_;
   std::vector<TimedAction> trace_;
+  // Per local stage: the index in this rank's action list of its last BW, B and W, and whether
+  // its gradient sync was armed in the running step.
+  struct LastBackward {
+    size_t full = SIZE_MAX, input = SIZE_MAX, weight = SIZE_MAX;
+  };
+  std::vector<LastBackward> last_backward_;
+  std::vector<bool> sync_armed_;
   bool broken_ = false;  // a step raised part-way; the message streams are out of step
 };
 

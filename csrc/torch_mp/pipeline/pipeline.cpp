@@ -1,5 +1,12 @@
 #include "torch_mp/pipeline/pipeline.h"
 
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+#include "torch_mp/collectives.h"
+#include "torch_mp/data_parallel/gradient_sync.h"
+#include "torch_mp/layout.h"
 #include "torch_mp/mesh.h"
 
 namespace torch_mp::pipeline {
@@ -17,7 +24,21 @@ Stage stage_of(torch::nn::Sequential module) {
                              inputs.size());
                  return {module->forward(inputs[0])};
                },
-               std::move(parameters)};
+               std::move(parameters),
+               {}};
+}
+
+Stage stage_of(data_parallel::DataParallel module) {
+  std::vector<at::Tensor> parameters = module->parameters();
+  return Stage{[module](const std::vector<at::Tensor>& inputs) mutable -> std::vector<at::Tensor> {
+                 TORCH_CHECK(inputs.size() == 1,
+                             "Pipeline: a DataParallel stage takes one tensor, got ",
+                             inputs.size());
+                 auto no_sync = module->no_sync();
+                 return {module->forward(inputs[0])};
+               },
+               std::move(parameters),
+               [module]() mutable { module->prepare_for_backward(); }};
 }
 
 Pipeline::Pipeline(std::vector<Stage> stages, LossFn loss, PipelineOptions options) {
@@ -40,9 +61,67 @@ std::vector<std::vector<at::Tensor>> Pipeline::split(const std::vector<at::Tenso
   return split_microbatches(batch, schedule().num_microbatches);
 }
 
+void Pipeline::tie_parameters(std::vector<at::Tensor> parameters, GroupPtr embedding_group) {
+  const Schedule& s = schedule();
+  const int64_t rank = executor_->rank();
+  const bool first = s.rank_of_stage(0) == rank;
+  const bool last = s.rank_of_stage(s.num_stages - 1) == rank;
+  if (first && last) {
+    TORCH_CHECK(parameters.empty(),
+                "Pipeline: tied parameters: rank ",
+                rank,
+                " holds both the first and the last stage; share one parameter between them "
+                "instead");
+    return;
+  }
+  if (!first && !last) {
+    TORCH_CHECK(parameters.empty(),
+                "Pipeline: tied parameters: rank ",
+                rank,
+                " holds neither the first nor the last stage, so it has none to tie");
+    return;
+  }
+  if (!embedding_group) {
+    embedding_group = get_mesh()->embedding_group;
+  }
+  TORCH_CHECK(embedding_group && embedding_group->getSize() == 2,
+              "Pipeline: tied parameters need an embedding group of the first and last stages' "
+              "ranks (torch_mp.init makes one)");
+  std::ostringstream shapes;
+  for (const auto& p : parameters) {
+    shapes << p.scalar_type() << p.sizes() << ";";
+  }
+  comm::check_same_across_ranks(
+      {static_cast<int64_t>(parameters.size()),
+       static_cast<int64_t>(std::hash<std::string>{}(shapes.str()) >> 1)},
+      embedding_group,
+      "Pipeline: the tied parameters of the first and last stage [count, digest of dtypes and "
+      "shapes]");
+  {
+    at::NoGradGuard no_grad;
+    data_parallel::broadcast_from_first_rank(parameters, embedding_group);
+  }
+  if (last) {
+    for (const auto& p : parameters) {
+      mark_tied_copy(p, {});
+    }
+  }
+  tied_ = std::move(parameters);
+  embedding_group_ = std::move(embedding_group);
+}
+
 std::optional<at::Tensor> Pipeline::step(const std::vector<at::Tensor>& inputs,
                                          const std::vector<at::Tensor>& targets) {
-  return executor_->step(split(inputs), split(targets));
+  auto loss = executor_->step(split(inputs), split(targets));
+  for (auto& p : tied_) {
+    at::Tensor grad = p.grad();
+    if (!grad.defined()) {
+      grad = at::zeros_like(p);
+      p.mutable_grad() = grad;
+    }
+    grad.copy_(comm::all_reduce(grad, embedding_group_));
+  }
+  return loss;
 }
 
 std::pair<std::vector<at::Tensor>, std::optional<at::Tensor>> Pipeline::eval_step(

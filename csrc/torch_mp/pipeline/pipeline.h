@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "torch_mp/data_parallel/data_parallel.h"
 #include "torch_mp/pipeline/executor.h"
 
 namespace torch_mp::pipeline {
@@ -27,6 +28,11 @@ struct PipelineOptions {
 
 /// A stage made of a torch::nn::Sequential (one tensor in, one tensor out).
 Stage stage_of(torch::nn::Sequential module);
+
+/// A data-parallel stage (one tensor in, one tensor out; the wrapped module given as a holder):
+/// its forwards run under no_sync, and the executor arms the reduction before the stage's last
+/// backward of each step, so gradients are averaged over the data group once per step.
+Stage stage_of(data_parallel::DataParallel module);
 
 /// Pipeline-parallel training of this rank's stages.
 ///
@@ -50,6 +56,15 @@ class Pipeline {
   std::pair<std::vector<at::Tensor>, std::optional<at::Tensor>> eval_step(
       const std::vector<at::Tensor>& inputs = {}, const std::vector<at::Tensor>& targets = {});
 
+  /// Ties `parameters` of the first stage to as many of the last stage (e.g. the input
+  /// embedding and the output head): each rank holding the first or the last stage passes its
+  /// own, in the same order; other ranks pass none. Copies the first stage's values to the last
+  /// stage's, marks the last stage's as tied copies (norms count them once), and after every step
+  /// sums their gradients over `embedding_group` (the default mesh's when null), so that both
+  /// copies stay equal. Raises if the ranks' lists differ in length or shapes, or if one rank
+  /// holds both stages (share one parameter there instead).
+  void tie_parameters(std::vector<at::Tensor> parameters, GroupPtr embedding_group = {});
+
   /// The schedule being run.
   const Schedule& schedule() const { return executor_->schedule(); }
   /// This rank's actions in the last step, with wall-clock times in seconds.
@@ -58,6 +73,8 @@ class Pipeline {
  private:
   std::vector<std::vector<at::Tensor>> split(const std::vector<at::Tensor>& batch) const;
   std::unique_ptr<Executor> executor_;
+  std::vector<at::Tensor> tied_;
+  GroupPtr embedding_group_;
 };
 
 }  // namespace torch_mp::pipeline

@@ -7,6 +7,7 @@
 #include <variant>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/layout.h"
 #include "torch_mp/tensor_parallel/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
@@ -452,6 +453,12 @@ void ParallelTransformerLayerImpl::reset() {
                                          .dropout(o.dropout())
                                          .sequence_parallel(o.sequence_parallel())
                                          .group(o.group())));
+  for (const auto& p : norm1->parameters()) {
+    set_replicated(p, o.group());
+  }
+  for (const auto& p : norm2->parameters()) {
+    set_replicated(p, o.group());
+  }
   if (initialise_) {
     reset_parameters();
   }
@@ -548,6 +555,9 @@ void ParallelConvBlockImpl::reset() {
   conv1 = register_module("conv1", ColumnParallelConv2dImpl::uninitialised(conv1_options));
   norm = register_module("norm", torch::nn::BatchNorm2d(o.mid_channels() / o.group()->getSize()));
   conv2 = register_module("conv2", RowParallelConv2dImpl::uninitialised(conv2_options));
+  for (const auto& p : norm->parameters()) {
+    set_sharded(p, 0, o.group());  // this rank's channels
+  }
   if (initialise_) {
     reset_parameters();
   }

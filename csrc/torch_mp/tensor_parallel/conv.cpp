@@ -6,6 +6,7 @@
 #include <variant>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/layout.h"
 #include "torch_mp/tensor_parallel/linear.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
@@ -186,6 +187,7 @@ void ParallelConv2dImpl<Options>::reset() {
   const int64_t bias_size = Options::kShardDim == 0 ? shape[0] : conv.out_channels();
   bias = this->register_parameter(
       "bias", conv.bias() ? at::empty({bias_size}) : at::Tensor(), /*requires_grad=*/conv.bias());
+  set_weight_and_bias_layout(weight, bias, Options::kShardDim, options.group());
   if (initialise_) {
     reset_parameters();
   }

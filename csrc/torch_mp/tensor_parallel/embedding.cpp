@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/layout.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {
@@ -159,6 +160,7 @@ void VocabParallelEmbeddingImpl::reset() {
   options.padding_idx(normalised_padding_idx(options.padding_idx(), options.num_embeddings()));
   const VocabRange range = vocab_range(options.num_embeddings(), options.group());
   weight = register_parameter("weight", at::empty({range.rows, options.embedding_dim()}));
+  set_sharded(weight, 0, options.group());
   if (initialise_) {
     reset_parameters();
   }

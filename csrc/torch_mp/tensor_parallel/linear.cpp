@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/layout.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
@@ -137,6 +138,7 @@ void ColumnParallelLinearImpl::reset() {
   bias = register_parameter("bias",
                             options.bias() ? at::empty({local_out}) : at::Tensor(),
                             /*requires_grad=*/options.bias());
+  set_weight_and_bias_layout(weight, bias, /*shard_dim=*/0, group);
   if (initialise_) {
     reset_parameters();
   }
@@ -225,6 +227,7 @@ void RowParallelLinearImpl::reset() {
   bias = register_parameter("bias",
                             options.bias() ? at::empty({options.out_features()}) : at::Tensor(),
                             /*requires_grad=*/options.bias());
+  set_weight_and_bias_layout(weight, bias, /*shard_dim=*/1, group);
   if (initialise_) {
     reset_parameters();
   }

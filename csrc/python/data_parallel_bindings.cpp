@@ -1,0 +1,138 @@
+// pybind11 bindings of data parallelism, parameter layouts and mesh-wide gradient clipping
+// (torch_mp._C.data_parallel and torch_mp._C).
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "python/common.h"
+#include "torch_mp/clip_grad.h"
+#include "torch_mp/data_parallel/gradient_sync.h"
+#include "torch_mp/layout.h"
+
+namespace py = pybind11;
+
+namespace torch_mp::python {
+namespace {
+
+GroupPtr resolve_optional(const std::optional<std::string>& name) {
+  return name ? resolve(*name) : GroupPtr();
+}
+
+}  // namespace
+
+void bind_data_parallel(py::module_& parent) {
+  using namespace torch_mp::data_parallel;
+  auto m = parent.def_submodule("data_parallel", "Data-parallel gradient synchronisation");
+  py::class_<GradientSync>(m, "GradientSync", "Bucketed, overlapped gradient averaging.")
+      .def(py::init([](std::vector<at::Tensor> parameters,
+                       const std::string& group,
+                       double bucket_cap_mb,
+                       bool gradient_as_bucket_view,
+                       const std::string& comm_hook) {
+             return std::make_unique<GradientSync>(
+                 std::move(parameters),
+                 resolve(group),
+                 GradientSyncOptions()
+                     .bucket_cap_mb(bucket_cap_mb)
+                     .gradient_as_bucket_view(gradient_as_bucket_view)
+                     .comm_hook(parse_comm_hook(comm_hook)));
+           }),
+           py::arg("parameters"),
+           py::arg("group"),
+           py::arg("bucket_cap_mb"),
+           py::arg("gradient_as_bucket_view"),
+           py::arg("comm_hook"),
+           ReleaseGil())
+      .def("prepare_for_forward", &GradientSync::prepare_for_forward, ReleaseGil())
+      .def("prepare_for_backward", &GradientSync::prepare_for_backward, ReleaseGil());
+  m.def(
+      "broadcast_from_first_rank",
+      [](const std::vector<at::Tensor>& tensors, const std::string& group) {
+        broadcast_from_first_rank(tensors, resolve(group));
+      },
+      py::arg("tensors"),
+      py::arg("group"),
+      ReleaseGil());
+
+  // ---- parameter layouts ----
+  py::class_<ParameterLayout>(parent, "ParameterLayout", "How a parameter lies on the mesh.")
+      .def_readonly("shard_dim", &ParameterLayout::shard_dim)
+      .def_readonly("tied_copy", &ParameterLayout::tied_copy)
+      .def_property_readonly("is_sharded", &ParameterLayout::is_sharded)
+      .def_property_readonly("group_name",
+                             [](const ParameterLayout& l) -> std::optional<std::string> {
+                               if (!l.group) {
+                                 return std::nullopt;
+                               }
+                               return l.group->getGroupName();
+                             })
+      .def("__repr__", [](const ParameterLayout& l) {
+        std::string text = l.shard_dim ? "sharded(dim=" + std::to_string(*l.shard_dim) + ")"
+                                       : std::string("replicated()");
+        return "ParameterLayout(" + text + (l.tied_copy ? ", tied_copy" : "") + ")";
+      });
+  parent.def(
+      "set_layout",
+      [](const at::Tensor& parameter,
+         std::optional<int64_t> shard_dim,
+         const std::optional<std::string>& group) {
+        set_layout(parameter, ParameterLayout{shard_dim, resolve_optional(group)});
+      },
+      py::arg("parameter"),
+      py::arg("shard_dim"),
+      py::arg("group"));
+  parent.def(
+      "set_weight_and_bias_layout",
+      [](const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias,
+         int64_t shard_dim,
+         const std::string& group) {
+        set_weight_and_bias_layout(weight, bias.value_or(at::Tensor()), shard_dim, resolve(group));
+      },
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("shard_dim"),
+      py::arg("group"));
+  parent.def("layout_of", &layout_of, py::arg("parameter"));
+
+  // ---- norms and clipping ----
+  parent.def(
+      "clip_grad_norm_",
+      [](const std::vector<at::Tensor>& parameters,
+         double max_norm,
+         double norm_type,
+         const std::optional<std::string>& tp_group,
+         const std::optional<std::string>& pp_group,
+         bool error_if_nonfinite) {
+        return clip_grad_norm_(parameters,
+                               max_norm,
+                               norm_type,
+                               resolve_optional(tp_group),
+                               resolve_optional(pp_group),
+                               error_if_nonfinite);
+      },
+      py::arg("parameters"),
+      py::arg("max_norm"),
+      py::arg("norm_type"),
+      py::arg("tp_group"),
+      py::arg("pp_group"),
+      py::arg("error_if_nonfinite"),
+      ReleaseGil());
+  parent.def(
+      "total_grad_norm",
+      [](const std::vector<at::Tensor>& parameters,
+         double norm_type,
+         const std::optional<std::string>& tp_group,
+         const std::optional<std::string>& pp_group) {
+        return total_grad_norm(
+            parameters, norm_type, resolve_optional(tp_group), resolve_optional(pp_group));
+      },
+      py::arg("parameters"),
+      py::arg("norm_type"),
+      py::arg("tp_group"),
+      py::arg("pp_group"),
+      ReleaseGil());
+}
+
+}  // namespace torch_mp::python

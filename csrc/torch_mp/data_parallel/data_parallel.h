@@ -1,0 +1,113 @@
+#pragma once
+// torch_mp::DataParallel: data parallelism for LibTorch applications (PyTorch's DDP exists only
+// in Python), over the same engine as torch_mp.DataParallel (GradientSync, i.e. c10d::Reducer).
+//
+//   auto model = Net(...);
+//   torch_mp::DataParallel dp(model);            // broadcasts rank 0's parameters and buffers
+//   auto loss = loss_fn(dp->forward(x), y);      // (each rank its own shard of the batch)
+//   loss.backward();                             // gradients averaged over the data group,
+//   optimizer.step();                            // bucket by bucket, overlapped with backward
+//
+// Gradient accumulation: backwards run inside `auto guard = dp->no_sync();` accumulate locally;
+// the next synced backward reduces the sum.
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+
+#include "torch_mp/data_parallel/gradient_sync.h"
+
+namespace torch_mp::data_parallel {
+
+/// Options of DataParallel.
+struct DataParallelOptions {
+  /// The data-parallel group; the default mesh's dp_group when null.
+  TORCH_ARG(GroupPtr, group) = {};
+  /// Size of a gradient bucket in MiB.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Make each `.grad` a view into its bucket instead of copying.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each synced step's
+  /// first forward, as DDP does.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Gradient compression for the all-reduce (none, fp16, bf16).
+  TORCH_ARG(CommHook, comm_hook) = CommHook::kNone;
+};
+
+/// Wraps a module so that its gradients are averaged over the data-parallel group.
+class DataParallelImpl : public torch::nn::Module {
+ public:
+  /// Wraps a module holder whose forward is not a template (e.g. torch::nn::Linear or a
+  /// TORCH_MODULE of your own); `forward` then calls it.
+  template <typename ModuleType>
+  explicit DataParallelImpl(torch::nn::ModuleHolder<ModuleType> module,
+                            DataParallelOptions options = {})
+      : DataParallelImpl(module.ptr(), std::move(options)) {
+    forward_ = torch::nn::AnyModule(module);
+  }
+  /// Wraps any module (a Sequential too); call `prepare_for_forward` and `prepare_for_backward`
+  /// around its forward yourself, or use it as a pipeline stage.
+  DataParallelImpl(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options = {});
+
+  /// Runs the wrapped module's forward as DDP does: buffers broadcast when due, and the
+  /// reduction armed for the backward that follows unless under no_sync.
+  template <typename... Args>
+  at::Tensor forward(Args&&... args) {
+    TORCH_CHECK(!forward_.is_empty(),
+                "DataParallel: the wrapped module was given as a plain Module; call it directly, "
+                "between prepare_for_forward() and prepare_for_backward()");
+    prepare_for_forward();
+    at::Tensor output = forward_.forward(std::forward<Args>(args)...);
+    if (require_backward_grad_sync_ && at::GradMode::is_enabled()) {
+      prepare_for_backward();
+    }
+    return output;
+  }
+
+  /// Before a forward: rebuilds the buckets once, and broadcasts buffers when due.
+  void prepare_for_forward();
+  /// Arms the reduction for the next backward (forward does this unless under no_sync).
+  void prepare_for_backward();
+
+  /// While the returned guard lives, forward does not arm the reduction: backwards accumulate
+  /// gradients locally, to be reduced by the next synced backward.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DataParallelImpl& owner)
+        : owner_(owner), previous_(owner.require_backward_grad_sync_) {
+      owner_.require_backward_grad_sync_ = false;
+    }
+    ~NoSyncGuard() { owner_.require_backward_grad_sync_ = previous_; }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DataParallelImpl& owner_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  /// The wrapped module.
+  std::shared_ptr<torch::nn::Module> module;
+  DataParallelOptions options;
+
+ private:
+  torch::nn::AnyModule forward_;
+  std::unique_ptr<GradientSync> sync_;
+  bool require_backward_grad_sync_ = true;
+  bool buffers_stale_ = false;  // a synced backward ran since the buffers were broadcast
+};
+
+/// Holder of DataParallelImpl.
+TORCH_MODULE(DataParallel);
+
+}  // namespace torch_mp::data_parallel
+
+namespace torch_mp {
+using data_parallel::CommHook;
+using data_parallel::DataParallel;
+using data_parallel::DataParallelImpl;
+using data_parallel::DataParallelOptions;
+}  // namespace torch_mp

@@ -1,0 +1,172 @@
+"""Data parallelism: ``torch_mp.DataParallel`` and the pipeline's interop with PyTorch's DDP.
+
+Both run on one engine, c10d's Reducer (PyTorch's DDP engine: buckets, gradient hooks,
+reduction overlapped with backward), through the C++ core's ``GradientSync``; LibTorch
+applications get the same as ``torch_mp::DataParallel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from torch_mp import _C
+from torch_mp.mesh import Mesh, get_mesh
+
+
+class DataParallel(nn.Module):
+    """Averages the gradients of ``module`` over the data-parallel group, like DDP.
+
+    Construction copies rank 0's parameters and buffers to every rank. Each forward with autograd
+    arms the reduction for the backward that follows: gradients are all-reduced bucket by bucket
+    as backward produces them, overlapped with the rest of backward, and averaged by the end of
+    it. Under :meth:`no_sync` backwards accumulate locally; the next synced backward reduces the
+    sum. Inside a :class:`torch_mp.pipeline.Pipeline` the reduction runs once per step, after the
+    stage's last backward, whatever the schedule.
+
+    Works with torch_mp's tensor-parallel layers (each data group holds the same shard on every
+    rank) and with any other module.
+
+    Args:
+        module: The module to replicate.
+        group: The data-parallel group; ``mesh.dp_group`` (the default mesh's) when None.
+        mesh: Takes ``mesh.dp_group``; pass ``group`` or ``mesh``, not both.
+        bucket_cap_mb: Size of a gradient bucket in MiB.
+        gradient_as_bucket_view: Make each ``.grad`` a view into its bucket (saves a copy and
+            memory) instead of copying gradients into the buckets and back.
+        broadcast_buffers: Copy rank 0's buffers (BatchNorm statistics) to every rank before the
+            first forward of each synced step.
+        comm_hook: ``None``, ``"fp16"`` or ``"bf16"``: all-reduce the buckets in 16 bits (half the
+            bytes; the sum is then rounded to that precision).
+
+    Raises:
+        RuntimeError: On every rank, if the ranks' parameters differ in number, shape or dtype.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        mesh: Mesh | None = None,
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = False,
+        broadcast_buffers: bool = True,
+        comm_hook: str | None = None,
+    ) -> None:
+        super().__init__()
+        if mesh is not None and group is not None:
+            raise ValueError("DataParallel: pass group= or mesh=, not both")
+        if group is None:
+            group = (mesh or get_mesh()).dp_group
+        self.module = module
+        self.group = group
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self._buffers_stale = False
+        name = group.group_name
+        with torch.no_grad():
+            _C.data_parallel.broadcast_from_first_rank(list(module.parameters()), name)
+            _C.data_parallel.broadcast_from_first_rank(list(module.buffers()), name)
+        self._sync = _C.data_parallel.GradientSync(
+            list(module.parameters()),
+            name,
+            bucket_cap_mb,
+            gradient_as_bucket_view,
+            comm_hook or "none",
+        )
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(
+            "DataParallel cannot be deep-copied (its gradient hooks belong to the original "
+            "parameters); copy the wrapped module and wrap the copy"
+        )
+
+    def forward(self, *args, **kwargs):
+        self.prepare_for_forward()
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.prepare_for_backward()
+        return output
+
+    def prepare_for_forward(self) -> None:
+        """Before a forward (``forward`` calls it): rebuilds the buckets once, in the order the
+        first synced backward produced gradients, and broadcasts the buffers when due."""
+        if not torch.is_grad_enabled():
+            return
+        self._sync.prepare_for_forward()
+        buffers = list(self.module.buffers())
+        if self._buffers_stale and self.broadcast_buffers and buffers:
+            with torch.no_grad():
+                _C.data_parallel.broadcast_from_first_rank(buffers, self.group.group_name)
+        self._buffers_stale = False
+
+    def prepare_for_backward(self) -> None:
+        """Arms the reduction for the next backward (``forward`` does it unless under
+        :meth:`no_sync`)."""
+        self._sync.prepare_for_backward()
+        self._buffers_stale = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards of forwards run inside accumulate gradients locally (e.g. all micro-batches
+        but the last); the next synced backward reduces the accumulated sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+
+def stage_hooks(module: nn.Module) -> tuple[Callable, Callable[[], None] | None]:
+    """The pipeline's view of a stage module: its forward, and for a data-parallel stage
+    (``torch_mp.DataParallel`` or ``DistributedDataParallel``) the function that arms its
+    reduction. Forwards of a data-parallel stage run under ``no_sync``; the executor arms the
+    reduction right before the stage's last gradient-accumulating backward of each step.
+
+    Raises:
+        ValueError: For DDP settings the pipeline cannot drive exactly.
+    """
+    if isinstance(module, DataParallel):
+
+        def forward(*inputs):
+            with module.no_sync():
+                return module(*inputs)
+
+        return forward, module.prepare_for_backward
+    if isinstance(module, DistributedDataParallel):
+        _check_ddp(module)
+
+        def forward(*inputs):
+            with module.no_sync():
+                return module(*inputs)
+
+        def arm() -> None:
+            module.reducer.prepare_for_backward([])
+            module.require_forward_param_sync = True  # buffers broadcast next step, as in DDP
+
+        return forward, arm
+    return module, None
+
+
+def _check_ddp(module: DistributedDataParallel) -> None:
+    refused = {
+        "find_unused_parameters=True": module.find_unused_parameters,
+        "static_graph=True": module.static_graph,
+        "mixed_precision": module.mixed_precision is not None,
+        "a Python reducer (compiled autograd)": getattr(module, "_use_python_reducer", False),
+        "delay_all_reduce_named_params": getattr(module, "_delay_all_reduce_all_params", False),
+    }
+    for setting, present in refused.items():
+        if present:
+            raise ValueError(
+                f"Pipeline: a DistributedDataParallel stage with {setting} cannot be driven "
+                "exactly by the pipeline (its reduction would run on the wrong micro-batch's "
+                "graph); wrap the stage without it, or in torch_mp.DataParallel"
+            )

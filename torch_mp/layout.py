@@ -1,0 +1,55 @@
+"""How parameters lie on the mesh: sharded along a dim over a group, or replicated over it.
+
+Every parameter a torch_mp layer creates carries its layout (recorded in the C++ core, so both
+front ends see the same); norms, clipping and checkpoints read it::
+
+    layer = torch_mp.ColumnParallelLinear(16, 32)
+    torch_mp.layout_of(layer.weight)   # ParameterLayout(sharded(dim=0)), over the tensor group
+    torch_mp.layout_of(layer.bias)     # ParameterLayout(sharded(dim=0))
+    torch_mp.layout_of(nn.Linear(4, 4).weight)   # None: a plain module's parameter, which
+                                                 # torch_mp treats as replicated
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_mp import _C
+from torch_mp._C import ParameterLayout
+from torch_mp.mesh import get_mesh
+
+__all__ = ["ParameterLayout", "layout_of", "set_layout"]
+
+
+def layout_of(parameter: torch.Tensor) -> ParameterLayout | None:
+    """The layout recorded for ``parameter``.
+
+    Returns:
+        A :class:`ParameterLayout` (``shard_dim``: the dense tensor's dim split over the group,
+        None when replicated; ``group_name``; ``tied_copy``: the last stage's copy of a tied
+        parameter), or None for a parameter no torch_mp layer made; those count as replicated
+        over the tensor-parallel group.
+    """
+    return _C.layout_of(parameter)
+
+
+def set_layout(
+    parameter: torch.Tensor,
+    shard_dim: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Records the layout of a parameter of your own module.
+
+    Args:
+        parameter: The parameter (this rank's shard of it, if sharded).
+        shard_dim: The dense tensor's dim that is split across ``group`` (chunk ``rank`` on each
+            rank); None when every rank of ``group`` holds the whole tensor.
+        group: The group it is sharded or replicated over; the default mesh's tensor group.
+
+    Note:
+        Record it again if you replace the parameter's tensor (torch_mp's own modules do so
+        themselves after ``to``, ``to_empty``, ``load_state_dict(assign=True)`` and deepcopy).
+    """
+    group = group if group is not None else get_mesh().tp_group
+    _C.set_layout(parameter, shard_dim, group.group_name)
