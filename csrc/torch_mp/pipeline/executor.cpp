@@ -199,19 +199,46 @@ void Executor::forward(const Action& a,
               "Pipeline: rank ",
               rank_,
               " holds the last stage and must be given target=");
-  at::Tensor loss = loss_(out, targets[m]);
+  const auto loss_inputs = train ? as_stage_inputs(out, true) : out;
+  at::Tensor loss = loss_(loss_inputs, targets[m]);
   TORCH_CHECK(loss.numel() == 1,
               "Pipeline: the loss function must return a scalar, got shape ",
               loss.sizes());
   losses_.push_back(loss.detach().reshape({}));
   if (train) {
-    slot.outputs = {loss.reshape({}) / static_cast<double>(schedule_.num_microbatches)};
+    slot.outputs = std::move(out);
+    slot.loss = loss.reshape({}) / static_cast<double>(schedule_.num_microbatches);
+    slot.loss_inputs = loss_inputs;
   }
 }
 
 std::vector<at::Tensor> Executor::gradients_for(const Action& a, Slot& slot) {
   if (a.stage == schedule_.num_stages - 1) {
-    return {};  // the loss: autograd seeds it with 1
+    // The gradient of the loss with respect to the stage's outputs (zeros where it has none).
+    std::vector<at::Tensor> wrt;
+    for (const auto& t : slot.loss_inputs) {
+      if (t.requires_grad()) {
+        wrt.push_back(t);
+      }
+    }
+    std::vector<at::Tensor> computed;
+    if (!wrt.empty() && slot.loss.requires_grad()) {
+      computed = torch::autograd::grad({slot.loss},
+                                       wrt,
+                                       /*grad_outputs=*/{},
+                                       /*retain_graph=*/false,
+                                       /*create_graph=*/false,
+                                       /*allow_unused=*/true);
+    }
+    std::vector<at::Tensor> grads(slot.loss_inputs.size());
+    for (size_t i = 0, j = 0; i < slot.loss_inputs.size(); ++i) {
+      if (slot.loss_inputs[i].requires_grad() && j < computed.size()) {
+        grads[i] = computed[j++];
+      }
+    }
+    slot.loss = at::Tensor();
+    slot.loss_inputs.clear();
+    return input_gradients(slot.outputs, grads);
   }
   if (schedule_.rank_of_stage(a.stage + 1) == rank_) {
     return slots_.at({a.stage + 1, a.microbatch}).input_grads;

@@ -40,8 +40,10 @@ using LossFn =
 /// Split backward: B is autograd.grad over the stage's inputs (the graph kept), W is
 /// autograd.backward restricted to the stage's parameters. W therefore re-walks the part of the
 /// graph between the outputs and the parameters that B also walked; on the first stage, which
-/// has no input gradient to produce, B runs the whole backward and W is empty. The batch given
-/// to the first stage receives no gradient.
+/// has no input gradient to produce, B runs the whole backward and W is empty. On the last stage
+/// the loss is cut from the stage's graph: its backward runs once, at the start of B, and both B
+/// and W start from the gradient of the stage's outputs. The batch given to the first stage
+/// receives no gradient.
 class Executor {
  public:
   /// `stages` are this rank's stages in increasing stage order (stages r, r + p, r + 2p, ...).
@@ -74,6 +76,11 @@ class Executor {
     std::vector<at::Tensor> outputs;       // stage outputs; {loss / m} on the last stage
     std::vector<at::Tensor> output_grads;  // gradients of the outputs, from the next stage
     std::vector<at::Tensor> input_grads;   // gradients of the inputs, for the previous stage
+    // Last stage: the loss / m, computed from detached copies of the outputs (loss_inputs), so
+    // that backward through the loss runs once, before B, and never again at W (a loss such as
+    // vocab_parallel_cross_entropy turns its saved buffers into the gradient in place).
+    at::Tensor loss;
+    std::vector<at::Tensor> loss_inputs;
   };
   // Runs `actions`; collects the last stage's per-micro-batch outputs into `outputs` if given.
   std::optional<at::Tensor> run(const std::vector<Action>& actions,
