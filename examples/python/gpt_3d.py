@@ -249,12 +249,18 @@ class Trainer3D:
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
         """One optimizer step on this data rank's share of the batch; returns the loss of the
         whole batch (mean over the data ranks), the same on every rank."""
+        loss = self.compute_gradients(inputs, target)
+        self.optimizer.step()
+        return loss
+
+    def compute_gradients(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
+        """The step without the optimizer: gradients averaged over the data ranks, tied copies
+        summed, clipped over the mesh."""
         self.optimizer.zero_grad()
         loss = self.pipe.step(
             inputs if self.holds_first else None, target=target if self.holds_last else None
         )
         torch_mp.clip_grad_norm_(self.parameters, self.args.clip, mesh=self.mesh)
-        self.optimizer.step()
         # Share the last stage's loss: counted once per data rank (tensor rank 0), averaged.
         counted = loss is not None and self.mesh.tp_rank == 0
         value = torch.tensor([loss.item() if counted else 0.0], dtype=torch.float64)
@@ -276,24 +282,29 @@ class DenseTrainer:
         self.optimizer = torch.optim.AdamW(dense.parameters(), lr=args.lr, weight_decay=0.01)
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
+        loss = self.compute_gradients(inputs, target)
+        self.optimizer.step()
+        return loss
+
+    def compute_gradients(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
         self.optimizer.zero_grad()
         loss = dense_loss(self.model(inputs), target)
         loss.backward()
         nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
-        self.optimizer.step()
         return loss.item()
 
 
-def compare(trainer: Trainer3D, reference: DenseGPT) -> float:
-    """The largest |difference| between this rank's trained parameters and the reference's."""
+def differences(trainer: Trainer3D, reference: DenseGPT) -> dict[str, float]:
+    """|difference| per parameter between this rank's trained parameters (gathered over the
+    tensor group) and the reference's."""
     want = dict(reference.named_parameters())
-    worst = 0.0
+    out = {}
     for name, value in trainer.gathered().items():
         expected = want["tok.weight" if name == "head.weight" else name]
         if name in ("tok.weight", "head.weight"):
             value = value[: expected.shape[0]]  # padded vocabulary rows
-        worst = max(worst, (value - expected).abs().max().item())
-    return worst
+        out[name] = (value - expected).abs().max().item()
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -362,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     if reference is None:
         dist.destroy_process_group()
         return 0
-    worst = torch.tensor([worst_loss, compare(trainer, reference.model)], dtype=torch.float64)
+    worst_param = max(differences(trainer, reference.model).values())
+    worst = torch.tensor([worst_loss, worst_param], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     worst_loss, worst_param = worst.tolist()
     ok = worst_loss <= LOSS_TOLERANCE and worst_param <= PARAMETER_TOLERANCE

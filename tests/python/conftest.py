@@ -1,4 +1,4 @@
-"""Session-wide worlds of 1, 2 and 4 Gloo ranks (see multiprocess.py)."""
+"""Session-wide worlds of 1, 2, 4 and 8 Gloo ranks (see multiprocess.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def world2() -> World:
 @pytest.fixture
 def world4() -> World:
     return get_world(4)
+
+
+@pytest.fixture
+def world8() -> World:
+    """Eight ranks for 3D (tp x pp x dp = 2 x 2 x 2) runs: tiny models only, on two cores."""
+    return get_world(8)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
