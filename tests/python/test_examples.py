@@ -59,3 +59,10 @@ def test_tp_cnn_example_under_torchrun(nproc):
     stdout = _run_example("tp_cnn.py", nproc, "--steps", "3")
     assert f"tensor-parallel CNN on {nproc} rank(s)" in stdout
     assert "step 3: loss" in stdout
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2", "--pp", "2", "--dp", "2"]], ids=["2x2x2"])
+def test_gpt_3d_example_under_torchrun(flags):
+    stdout = _run_example("gpt_3d.py", 8, *flags, "--schedule", "1f1b", "--steps", "3", "--check")
+    assert "tp=2 x pp=2 x dp=2 ranks, schedule 1f1b" in stdout
+    assert "step 3/3  loss" in stdout and "tokens/s" in stdout
