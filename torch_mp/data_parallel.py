@@ -133,26 +133,23 @@ def stage_hooks(module: nn.Module) -> tuple[Callable, Callable[[], None] | None]
     Raises:
         ValueError: For DDP settings the pipeline cannot drive exactly.
     """
-    if isinstance(module, DataParallel):
-
-        def forward(*inputs):
-            with module.no_sync():
-                return module(*inputs)
-
-        return forward, module.prepare_for_backward
     if isinstance(module, DistributedDataParallel):
         _check_ddp(module)
-
-        def forward(*inputs):
-            with module.no_sync():
-                return module(*inputs)
 
         def arm() -> None:
             module.reducer.prepare_for_backward([])
             module.require_forward_param_sync = True  # buffers broadcast next step, as in DDP
 
-        return forward, arm
-    return module, None
+    elif isinstance(module, DataParallel):
+        arm = module.prepare_for_backward
+    else:
+        return module, None
+
+    def forward(*inputs):
+        with module.no_sync():
+            return module(*inputs)
+
+    return forward, arm
 
 
 def _check_ddp(module: DistributedDataParallel) -> None:
