@@ -3,7 +3,7 @@
 
 #include "torch_mp/clip_grad.h"                      // IWYU pragma: export
 #include "torch_mp/collectives.h"                    // IWYU pragma: export
-#include "torch_mp/data_parallel/data_parallel.h"     // IWYU pragma: export
+#include "torch_mp/data_parallel/data_parallel.h"    // IWYU pragma: export
 #include "torch_mp/data_parallel/gradient_sync.h"    // IWYU pragma: export
 #include "torch_mp/dense.h"                          // IWYU pragma: export
 #include "torch_mp/layout.h"                         // IWYU pragma: export

@@ -2,13 +2,14 @@
 // whole batch on one thread, with gradient accumulation, as a pipeline stage too. Ranks are
 // threads over real Gloo groups.
 
+#include "torch_mp/data_parallel/data_parallel.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/linear.h>
 
 #include "tensor_checks.h"
 #include "thread_world.h"
-#include "torch_mp/data_parallel/data_parallel.h"
 #include "torch_mp/pipeline/pipeline.h"
 
 namespace torch_mp {
@@ -77,15 +78,15 @@ TEST_P(DataParallelStage, PipelineOfDataParallelStagesEqualsTheWholeModel) {
     std::vector<torch::nn::Linear> whole{seeded_linear(200), seeded_linear(201)};
     auto mine = seeded_linear(200 + stage);
     DataParallel dp(mine, DataParallelOptions().group(mesh.dp_group));
-    pipeline::Pipeline pipe({pipeline::stage_of(dp)},
-                            [](const std::vector<at::Tensor>& out,
-                               const std::vector<at::Tensor>& target) {
-                              return mse(out[0], target[0]);
-                            },
-                            pipeline::PipelineOptions()
-                                .schedule(schedule)
-                                .num_microbatches(kMicrobatches)
-                                .group(mesh.pp_group));
+    pipeline::Pipeline pipe(
+        {pipeline::stage_of(dp)},
+        [](const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& target) {
+          return mse(out[0], target[0]);
+        },
+        pipeline::PipelineOptions()
+            .schedule(schedule)
+            .num_microbatches(kMicrobatches)
+            .group(mesh.pp_group));
     for (int step = 0; step < 2; ++step) {
       const auto x = testing::rank_randn({4 * kMicrobatches, kWidth}, 30 + step, 0);
       const auto y = testing::rank_randn({4 * kMicrobatches, kWidth}, 40 + step, 0);

@@ -15,12 +15,13 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
   // Every rank starts from rank 0's parameters and buffers.
   broadcast_from_first_rank(module->parameters(), options.group());
   broadcast_from_first_rank(module->buffers(), options.group());
-  sync_ = std::make_unique<GradientSync>(module->parameters(),
-                                         options.group(),
-                                         GradientSyncOptions()
-                                             .bucket_cap_mb(options.bucket_cap_mb())
-                                             .gradient_as_bucket_view(options.gradient_as_bucket_view())
-                                             .comm_hook(options.comm_hook()));
+  sync_ =
+      std::make_unique<GradientSync>(module->parameters(),
+                                     options.group(),
+                                     GradientSyncOptions()
+                                         .bucket_cap_mb(options.bucket_cap_mb())
+                                         .gradient_as_bucket_view(options.gradient_as_bucket_view())
+                                         .comm_hook(options.comm_hook()));
 }
 
 void DataParallelImpl::prepare_for_forward() {

@@ -50,7 +50,8 @@ CommHook parse_comm_hook(const std::string& name) {
   if (name == "bf16") {
     return CommHook::kBf16;
   }
-  TORCH_CHECK(false, "DataParallel: comm_hook must be None, \"fp16\" or \"bf16\", got \"", name, "\"");
+  TORCH_CHECK(
+      false, "DataParallel: comm_hook must be None, \"fp16\" or \"bf16\", got \"", name, "\"");
 }
 
 GradientSync::GradientSync(std::vector<at::Tensor> parameters,
@@ -80,19 +81,19 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
       parameters_, {std::numeric_limits<size_t>::max()}, std::vector<bool>(parameters_.size()));
   std::reverse(buckets.begin(), buckets.end());
   std::unordered_map<size_t, std::string> names;
-  reducer_ = std::make_shared<c10d::Reducer>(parameters_,
-                                             std::move(buckets),
-                                             group_,
-                                             std::vector<bool>(parameters_.size()),
-                                             bucket_bytes,
-                                             /*find_unused_parameters=*/false,
-                                             options.gradient_as_bucket_view(),
-                                             std::move(names),
-                                             /*first_bucket_bytes_cap=*/std::min<int64_t>(
-                                                 bucket_bytes, 1 << 20),
-                                             /*skip_all_reduce_unused_params=*/false,
-                                             /*use_python_reducer=*/false,
-                                             /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
+  reducer_ = std::make_shared<c10d::Reducer>(
+      parameters_,
+      std::move(buckets),
+      group_,
+      std::vector<bool>(parameters_.size()),
+      bucket_bytes,
+      /*find_unused_parameters=*/false,
+      options.gradient_as_bucket_view(),
+      std::move(names),
+      /*first_bucket_bytes_cap=*/std::min<int64_t>(bucket_bytes, 1 << 20),
+      /*skip_all_reduce_unused_params=*/false,
+      /*use_python_reducer=*/false,
+      /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
   switch (options.comm_hook()) {
     case CommHook::kNone:
       break;

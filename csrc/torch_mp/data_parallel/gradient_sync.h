@@ -48,7 +48,9 @@ struct GradientSyncOptions {
 class GradientSync {
  public:
   /// Raises on every rank if the ranks' parameters differ in number, shape or dtype.
-  GradientSync(std::vector<at::Tensor> parameters, GroupPtr group, GradientSyncOptions options = {});
+  GradientSync(std::vector<at::Tensor> parameters,
+               GroupPtr group,
+               GradientSyncOptions options = {});
   ~GradientSync();
   GradientSync(const GradientSync&) = delete;
   GradientSync& operator=(const GradientSync&) = delete;

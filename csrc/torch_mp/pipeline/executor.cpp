@@ -336,7 +336,7 @@ void Executor::before_accumulating(const Action& a, size_t index) {
               " after its data-parallel reduction started; this schedule cannot be combined with "
               "data parallelism");
   const auto& last = last_backward_[local_index];
-  const size_t last_index = a.kind == ActionKind::kFullBackward ? last.full
+  const size_t last_index = a.kind == ActionKind::kFullBackward    ? last.full
                             : a.kind == ActionKind::kBackwardInput ? last.input
                                                                    : last.weight;
   if (index == last_index) {

@@ -1,0 +1,390 @@
+// Trains a small GPT on data x pipeline x tensor parallel ranks from a LibTorch application: the
+// C++ counterpart of examples/python/gpt_3d.py.
+//
+//   torchrun --standalone --no-python --nproc-per-node=8 build/examples/cpp/gpt_3d \
+//       --tp 2 --pp 2 --dp 2 --schedule 1f1b [--sequence-parallel] [--steps N] [--check]
+//
+// The model: token and learned position embeddings, post-LN torch::nn::TransformerEncoderLayers
+// under a causal mask (LibTorch's layers have no pre-LN option), and an output head tied to the
+// token embedding; trained character by character on the repository's README (read from the
+// working directory) with AdamW and clipping.
+//
+// - tensor: VocabParallelEmbedding, ParallelTransformerLayer (heads and MLP split; with
+//   --sequence-parallel also the LayerNorms and residuals), vocab_parallel_cross_entropy;
+// - pipeline: the layers cut into one stage per pipeline rank; the first stage holds the
+//   embeddings, the last the head, a copy of the embedding tied to it (Pipeline::tie_parameters);
+// - data: every stage wrapped in torch_mp::DataParallel, each data rank given its share of the
+//   batch; torch_mp::clip_grad_norm_ clips by the norm of the whole model.
+//
+// With --check every rank also trains the dense model on the whole batch; losses must agree to
+// 1e-5 and the trained token table (gathered) to 1e-4 (AdamW scales each element's update by its
+// own gradient's root mean square, so elements inherit their gradient's relative error).
+
+#include <torch/torch.h>
+#include <torch_mp/torch_mp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace tp = torch_mp::tensor_parallel;
+
+constexpr double kLossTolerance = 1e-5;
+constexpr double kParameterTolerance = 1e-4;
+
+struct Args {
+  int64_t tp = 1, pp = 1, dp = -1;
+  std::string schedule = "1f1b";
+  bool sequence_parallel = false;
+  bool check = false;
+  int steps = 20;
+  int64_t batch = 8, microbatches = 4, seq = 32, hidden = 32, heads = 4, ffn = 64, layers = 4;
+  double lr = 3e-3, clip = 0.5;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  std::map<std::string, int64_t*> integers{{"--tp", &a.tp},
+                                           {"--pp", &a.pp},
+                                           {"--dp", &a.dp},
+                                           {"--batch", &a.batch},
+                                           {"--microbatches", &a.microbatches},
+                                           {"--seq", &a.seq},
+                                           {"--layers", &a.layers}};
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--sequence-parallel") {
+      a.sequence_parallel = true;
+    } else if (flag == "--check") {
+      a.check = true;
+    } else if (i + 1 < argc && integers.count(flag)) {
+      *integers[flag] = std::stoll(argv[++i]);
+    } else if (i + 1 < argc && flag == "--steps") {
+      a.steps = std::stoi(argv[++i]);
+    } else if (i + 1 < argc && flag == "--schedule") {
+      a.schedule = argv[++i];
+    } else {
+      throw std::invalid_argument("gpt_3d: unknown or incomplete argument " + flag);
+    }
+  }
+  return a;
+}
+
+/// The README's characters as token ids, cut into the same random windows on every rank.
+struct Corpus {
+  explicit Corpus(const std::string& path) {
+    std::ifstream file(path, std::ios::binary);
+    if (!file) {
+      throw std::runtime_error("gpt_3d: cannot read " + path + " (run from the repository root)");
+    }
+    const std::string text{std::istreambuf_iterator<char>(file), {}};
+    std::vector<int64_t> index(256, -1);
+    for (unsigned char c : text) {
+      index[c] = 0;
+    }
+    for (int c = 0; c < 256; ++c) {
+      if (index[c] == 0) {
+        index[c] = vocab++;
+      }
+    }
+    std::vector<int64_t> data;
+    for (unsigned char c : text) {
+      data.push_back(index[c]);
+    }
+    ids = torch::tensor(data, torch::kLong);
+  }
+
+  /// Windows for `step`: inputs and next-token targets, each [batch, seq].
+  std::pair<torch::Tensor, torch::Tensor> batch(int step, int64_t batch, int64_t seq) const {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+    const auto starts = torch::randint(ids.size(0) - seq - 1, {batch}, generator, torch::kLong);
+    std::vector<torch::Tensor> windows;
+    for (int64_t i = 0; i < batch; ++i) {
+      windows.push_back(
+          ids.slice(0, starts[i].item<int64_t>(), starts[i].item<int64_t>() + seq + 1));
+    }
+    const auto all = torch::stack(windows);
+    return {all.slice(1, 0, seq), all.slice(1, 1, seq + 1)};
+  }
+
+  torch::Tensor ids;
+  int64_t vocab = 0;
+};
+
+/// The one-process model, on [b, s] token ids; returns [s, b, vocab] logits.
+struct DenseGptImpl : torch::nn::Module {
+  DenseGptImpl(int64_t vocab, const Args& a) {
+    tok = register_module("tok", torch::nn::Embedding(vocab, a.hidden));
+    pos = register_module("pos", torch::nn::Embedding(a.seq, a.hidden));
+    for (int64_t i = 0; i < a.layers; ++i) {
+      layers.push_back(
+          register_module("layer" + std::to_string(i),
+                          torch::nn::TransformerEncoderLayer(
+                              torch::nn::TransformerEncoderLayerOptions(a.hidden, a.heads)
+                                  .dim_feedforward(a.ffn)
+                                  .dropout(0.0)
+                                  .activation(torch::kGELU))));
+    }
+    torch::NoGradGuard no_grad;
+    tok->weight.normal_(0.0, 0.02);
+  }
+
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    const auto t = tokens.t();
+    const int64_t s = t.size(0);
+    auto x = tok(t) + pos(torch::arange(s)).unsqueeze(1);
+    const auto mask =
+        torch::full({s, s}, -std::numeric_limits<float>::infinity()).triu(1);  // causal
+    for (auto& layer : layers) {
+      x = layer(x, mask);
+    }
+    return torch::matmul(x, tok->weight.t());
+  }
+
+  torch::nn::Embedding tok = nullptr;
+  torch::nn::Embedding pos = nullptr;
+  std::vector<torch::nn::TransformerEncoderLayer> layers;
+};
+TORCH_MODULE(DenseGpt);
+
+/// One pipeline stage of DenseGpt, tensor-parallel: layers [first_layer, first_layer + count),
+/// plus the embeddings on the first stage and the (tied) head on the last. Stages pass [s, b, h]
+/// activations ([s / t, b, h] under sequence parallelism); the last returns this rank's
+/// [s, b, ceil(vocab / t)] slice of the logits.
+struct GptStageImpl : torch::nn::Module {
+  GptStageImpl(const DenseGpt& dense,
+               int64_t first_layer,
+               int64_t count,
+               bool first,
+               bool last,
+               bool sequence_parallel,
+               torch_mp::GroupPtr group)
+      : first(first), last(last), sequence_parallel(sequence_parallel), group(std::move(group)) {
+    if (first) {
+      tok = register_module("tok",
+                            tp::VocabParallelEmbeddingImpl::from_dense(dense->tok, this->group));
+      pos = register_module("pos",
+                            torch::nn::Embedding::from_pretrained(
+                                dense->pos->weight.detach().clone(),
+                                torch::nn::EmbeddingFromPretrainedOptions().freeze(false)));
+    }
+    for (int64_t i = first_layer; i < first_layer + count; ++i) {
+      layers.push_back(register_module("layer" + std::to_string(i),
+                                       tp::ParallelTransformerLayerImpl::from_dense(
+                                           dense->layers[i], this->group, sequence_parallel)));
+    }
+    if (last) {
+      head = first
+                 ? tok
+                 : register_module(
+                       "head", tp::VocabParallelEmbeddingImpl::from_dense(dense->tok, this->group));
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& input) {
+    auto x = input;
+    if (first) {
+      x = tok(input.t()) + pos(torch::arange(input.size(1))).unsqueeze(1);
+      if (sequence_parallel) {
+        x = torch_mp::scatter_to_tp(x, group, 0);  // this rank's chunk of the sequence
+      }
+    }
+    for (auto& layer : layers) {
+      x = layer->forward(x, /*attn_mask=*/{}, /*is_causal=*/true);
+    }
+    if (!last) {
+      return x;
+    }
+    x = sequence_parallel ? torch_mp::gather_from_sp(x, group, 0) : torch_mp::copy_to_tp(x, group);
+    return torch::matmul(x, head->weight.t());
+  }
+
+  bool first, last, sequence_parallel;
+  torch_mp::GroupPtr group;
+  tp::VocabParallelEmbedding tok = nullptr, head = nullptr;
+  torch::nn::Embedding pos = nullptr;
+  std::vector<tp::ParallelTransformerLayer> layers;
+};
+TORCH_MODULE(GptStage);
+
+std::string progress(int step, int steps, double loss, double tokens_per_s) {
+  const int done = static_cast<int>(std::lround(20.0 * step / steps));
+  std::ostringstream line;
+  line << "[" << std::string(done, '#') << std::string(20 - done, '.') << "] step " << step << "/"
+       << steps << "  loss " << std::fixed;
+  line.precision(4);
+  line << loss << "  ";
+  line.precision(0);
+  line << tokens_per_s << " tokens/s";
+  return line.str();
+}
+
+int run(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  auto options = torch_mp::InitOptions().tp(a.tp).pp(a.pp).timeout(std::chrono::seconds(60));
+  if (a.dp > 0) {
+    options.dp(a.dp);
+  }
+  const auto mesh = torch_mp::init(options);
+  const bool is_rank0 = mesh->rank == 0;
+  const Corpus corpus("README.md");
+
+  torch::manual_seed(0);  // the same dense model on every rank
+  DenseGpt dense(corpus.vocab, a);
+  DenseGpt reference = nullptr;
+  if (a.check) {
+    reference = DenseGpt(corpus.vocab, a);
+    torch::NoGradGuard no_grad;
+    const auto from = dense->named_parameters();
+    for (auto& item : reference->named_parameters()) {
+      item.value().copy_(from[item.key()]);
+    }
+  }
+  TORCH_CHECK(a.layers % a.pp == 0, "gpt_3d: --layers must be divisible by --pp");
+  const int64_t per_stage = a.layers / a.pp, stage = mesh->pp_rank();
+  GptStage mine(dense,
+                stage * per_stage,
+                per_stage,
+                stage == 0,
+                stage == a.pp - 1,
+                a.sequence_parallel,
+                mesh->tp_group);
+  torch_mp::DataParallel wrapped(mine, torch_mp::DataParallelOptions().group(mesh->dp_group));
+  const int64_t vocab = corpus.vocab;
+  const auto group = mesh->tp_group;
+  torch_mp::pipeline::Pipeline pipe(
+      {torch_mp::pipeline::stage_of(wrapped)},
+      [vocab, group](const std::vector<at::Tensor>& logits, const std::vector<at::Tensor>& target) {
+        return tp::vocab_parallel_cross_entropy(
+            logits[0], target[0].t(), group, -100, 0.0, at::Reduction::Mean, vocab);
+      },
+      torch_mp::pipeline::PipelineOptions()
+          .schedule(a.schedule)
+          .num_microbatches(a.microbatches)
+          .group(mesh->pp_group));
+  std::vector<at::Tensor> tied;
+  if (mine->first != mine->last) {
+    tied.push_back(mine->first ? mine->tok->weight : mine->head->weight);
+  }
+  pipe.tie_parameters(tied);
+  const auto parameters = mine->parameters();
+  torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+  std::unique_ptr<torch::optim::AdamW> reference_optimizer;
+  if (a.check) {
+    reference_optimizer = std::make_unique<torch::optim::AdamW>(
+        reference->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+  }
+  if (is_rank0) {
+    std::printf(
+        "gpt_3d: %lld layers of hidden size %lld, vocabulary %lld: tp=%lld x pp=%lld x "
+        "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel\n",
+        static_cast<long long>(a.layers),
+        static_cast<long long>(a.hidden),
+        static_cast<long long>(vocab),
+        static_cast<long long>(mesh->tp_size()),
+        static_cast<long long>(mesh->pp_size()),
+        static_cast<long long>(mesh->dp_size()),
+        a.schedule.c_str(),
+        a.sequence_parallel ? "on" : "off");
+  }
+  const int64_t global_batch = a.batch * mesh->dp_size();
+  double worst_loss = 0.0;
+  const auto start = std::chrono::steady_clock::now();
+  for (int step = 1; step <= a.steps; ++step) {
+    const auto [inputs, target] = corpus.batch(step, global_batch, a.seq);
+    const auto share = [&](const torch::Tensor& t) {
+      return t.slice(0, mesh->dp_rank() * a.batch, (mesh->dp_rank() + 1) * a.batch);
+    };
+    optimizer.zero_grad();
+    const auto loss =
+        pipe.step(mine->first ? std::vector<at::Tensor>{share(inputs)} : std::vector<at::Tensor>{},
+                  mine->last ? std::vector<at::Tensor>{share(target)} : std::vector<at::Tensor>{});
+    torch_mp::clip_grad_norm_(parameters, a.clip, 2.0, mesh);
+    optimizer.step();
+    // The whole batch's loss: the last stage's, once per data rank, averaged.
+    auto shared = torch::zeros({1}, torch::kDouble);
+    if (loss && mesh->tp_rank() == 0) {
+      shared[0] = loss->item<double>();
+    }
+    const double value = torch_mp::comm::all_reduce(shared, mesh->world).item<double>() /
+                         static_cast<double>(mesh->dp_size());
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::string line = progress(step, a.steps, value, global_batch * a.seq * step / seconds);
+    if (a.check) {
+      reference_optimizer->zero_grad();
+      const auto expected = torch::nn::functional::cross_entropy(
+          reference->forward(inputs).flatten(0, 1), target.t().flatten());
+      expected.backward();
+      torch::nn::utils::clip_grad_norm_(reference->parameters(), a.clip);
+      reference_optimizer->step();
+      worst_loss = std::max(worst_loss, std::abs(value - expected.item<double>()));
+      char text[64];
+      std::snprintf(text, sizeof(text), "  (one process: %.4f)", expected.item<double>());
+      line += text;
+    }
+    if (is_rank0) {
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (!a.check) {
+    return EXIT_SUCCESS;
+  }
+  // The trained token table (first stage) and head (last stage), gathered over the tensor group.
+  double worst_table = 0.0;
+  for (const auto& table : {mine->tok, mine->head}) {
+    if (table) {
+      const auto gathered = table->to_dense()->weight;
+      worst_table =
+          std::max(worst_table, (gathered - reference->tok->weight).abs().max().item<double>());
+    }
+  }
+  auto worst = torch::tensor({worst_loss, worst_table}, torch::kDouble);
+  worst = torch_mp::comm::all_reduce(worst, mesh->world, c10d::ReduceOp::MAX);
+  worst_loss = worst[0].item<double>();
+  worst_table = worst[1].item<double>();
+  const bool ok = worst_loss <= kLossTolerance && worst_table <= kParameterTolerance;
+  if (is_rank0) {
+    std::printf(
+        "agreement with the one-process reference: losses max |diff| %.2e (tolerance "
+        "%.0e), token table max |diff| %.2e (tolerance %.0e): %s\n",
+        worst_loss,
+        kLossTolerance,
+        worst_table,
+        kParameterTolerance,
+        ok ? "OK" : "MISMATCH");
+  }
+  return ok ? EXIT_SUCCESS : EXIT_FAILURE;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr,
+                 "gpt_3d (RANK=%s): %s\n",
+                 std::getenv("RANK") ? std::getenv("RANK") : "?",
+                 e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr,
+                 "gpt_3d (RANK=%s): %s\n",
+                 std::getenv("RANK") ? std::getenv("RANK") : "?",
+                 e.what());
+  }
+  return EXIT_FAILURE;
+}
