@@ -4,6 +4,7 @@
 #include <c10/core/WrapDimMinimal.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <functional>
 #include <sstream>
 
 namespace torch_mp {
@@ -196,6 +197,19 @@ void check_same_across_ranks(const std::vector<int64_t>& values,
     msg << "]" << (r + 1 < all.size(0) ? ";" : "");
   }
   TORCH_CHECK(false, msg.str());
+}
+
+void check_same_tensors_across_ranks(const std::vector<at::Tensor>& tensors,
+                                     const GroupPtr& group,
+                                     const std::string& what) {
+  std::ostringstream shapes;
+  for (const auto& t : tensors) {
+    shapes << t.scalar_type() << t.sizes() << ";";
+  }
+  check_same_across_ranks({static_cast<int64_t>(tensors.size()),
+                           static_cast<int64_t>(std::hash<std::string>{}(shapes.str()) >> 1)},
+                          group,
+                          what + " [count, digest of dtypes and shapes]");
 }
 
 }  // namespace comm

@@ -60,5 +60,11 @@ void check_same_across_ranks(const std::vector<int64_t>& values,
                              const GroupPtr& group,
                              const std::string& what);
 
+/// Raises on every rank unless `tensors` have the same count, dtypes and shapes on all ranks of
+/// the group (one fixed-size exchange: the count and a digest of the rest).
+void check_same_tensors_across_ranks(const std::vector<at::Tensor>& tensors,
+                                     const GroupPtr& group,
+                                     const std::string& what);
+
 }  // namespace comm
 }  // namespace torch_mp

@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 
 #include <limits>
-#include <sstream>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
@@ -113,16 +112,7 @@ void GradientSync::prepare_for_forward() { reducer_->rebuild_buckets(); }
 void GradientSync::prepare_for_backward() { reducer_->prepare_for_backward({}); }
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const GroupPtr& group) {
-  // Counts and a digest of every dtype and shape, so that the check is one fixed-size exchange.
-  std::ostringstream shapes;
-  for (const auto& t : tensors) {
-    shapes << t.scalar_type() << t.sizes() << ";";
-  }
-  comm::check_same_across_ranks(
-      {static_cast<int64_t>(tensors.size()),
-       static_cast<int64_t>(std::hash<std::string>{}(shapes.str()) >> 1)},
-      group,
-      "DataParallel: the tensors to broadcast [count, digest of dtypes and shapes]");
+  comm::check_same_tensors_across_ranks(tensors, group, "DataParallel: the tensors to broadcast");
   if (tensors.empty() || group->getSize() == 1) {
     return;
   }

@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <sstream>
-
 #include "torch_mp/collectives.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
 #include "torch_mp/layout.h"
@@ -87,16 +85,8 @@ void Pipeline::tie_parameters(std::vector<at::Tensor> parameters, GroupPtr embed
   TORCH_CHECK(embedding_group && embedding_group->getSize() == 2,
               "Pipeline: tied parameters need an embedding group of the first and last stages' "
               "ranks (torch_mp.init makes one)");
-  std::ostringstream shapes;
-  for (const auto& p : parameters) {
-    shapes << p.scalar_type() << p.sizes() << ";";
-  }
-  comm::check_same_across_ranks(
-      {static_cast<int64_t>(parameters.size()),
-       static_cast<int64_t>(std::hash<std::string>{}(shapes.str()) >> 1)},
-      embedding_group,
-      "Pipeline: the tied parameters of the first and last stage [count, digest of dtypes and "
-      "shapes]");
+  comm::check_same_tensors_across_ranks(
+      parameters, embedding_group, "Pipeline: the tied parameters of the first and last stage");
   {
     at::NoGradGuard no_grad;
     data_parallel::broadcast_from_first_rank(parameters, embedding_group);
