@@ -281,42 +281,28 @@ void Executor::backward(const Action& a, size_t index, Slot& slot) {
     slot.outputs.clear();
     slot.output_grads.clear();
   } else {
-    // B: the input gradient only; the graph and output gradients stay for W.
-    if (!outs.empty() && !leaves.empty()) {
-      const auto g = torch::autograd::grad(outs,
-                                           leaves,
-                                           out_grads,
-                                           /*retain_graph=*/true,
-                                           /*create_graph=*/false,
-                                           /*allow_unused=*/true);
+    // B: the input gradients only; what W needs is kept in the slot.
+    if (!outs.empty()) {
+      const auto g =
+          backward_input(outs, out_grads, leaves, local(a.stage).parameters, slot.weight_work);
       for (size_t j = 0; j < leaves.size(); ++j) {
         computed[leaf_index[j]] = g[j];
       }
+      slot.weight_pending = true;
     }
-    slot.outputs = outs;
-    slot.output_grads = out_grads;
+    slot.outputs.clear();
+    slot.output_grads.clear();
   }
   slot.input_grads = input_gradients(slot.inputs, computed);
   slot.inputs.clear();
 }
 
 void Executor::weight(const Action& a, size_t index, Slot& slot) {
-  std::vector<at::Tensor> params;
-  for (const auto& p : local(a.stage).parameters) {
-    if (p.requires_grad()) {
-      params.push_back(p);
-    }
-  }
-  if (!slot.outputs.empty() && !params.empty()) {
+  if (slot.weight_pending) {
     before_accumulating(a, index);
-    torch::autograd::backward(slot.outputs,
-                              slot.output_grads,
-                              /*retain_graph=*/false,
-                              /*create_graph=*/false,
-                              params);
+    backward_weight(slot.weight_work, local(a.stage).parameters);
+    slot.weight_pending = false;
   }
-  slot.outputs.clear();
-  slot.output_grads.clear();
 }
 
 void Executor::before_accumulating(const Action& a, size_t index) {

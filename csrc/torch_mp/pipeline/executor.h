@@ -10,6 +10,7 @@
 
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/pipeline/simulate.h"
+#include "torch_mp/pipeline/split_backward.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::pipeline {
@@ -37,10 +38,10 @@ using LossFn =
 /// step; each micro-batch's loss is divided by the number of micro-batches, so the accumulated
 /// parameter gradients equal those of the whole batch's mean loss.
 ///
-/// Split backward: B is autograd.grad over the stage's inputs (the graph kept), W is
-/// autograd.backward restricted to the stage's parameters. W therefore re-walks the part of the
-/// graph between the outputs and the parameters that B also walked; on the first stage, which
-/// has no input gradient to produce, B runs the whole backward and W is empty. On the last stage
+/// Split backward (split_backward.h): B computes the input gradients only, keeping the
+/// gradients that arrive at the nodes which also feed parameters; W restarts from those towards
+/// the parameters, so B + W do the work of one backward. On the first stage, which has no input
+/// gradient to produce, B runs the whole backward and W is empty. On the last stage
 /// the loss is cut from the stage's graph: its backward runs once, at the start of B, and both B
 /// and W start from the gradient of the stage's outputs. The batch given to the first stage
 /// receives no gradient.
@@ -76,6 +77,8 @@ class Executor {
     std::vector<at::Tensor> outputs;       // stage outputs; {loss / m} on the last stage
     std::vector<at::Tensor> output_grads;  // gradients of the outputs, from the next stage
     std::vector<at::Tensor> input_grads;   // gradients of the inputs, for the previous stage
+    WeightWork weight_work;                // what B kept for W
+    bool weight_pending = false;           // B was split: W still has to run
     // Last stage: the loss / m, computed from detached copies of the outputs (loss_inputs), so
     // that backward through the loss runs once, before B, and never again at W (a loss such as
     // vocab_parallel_cross_entropy turns its saved buffers into the gradient in place).
