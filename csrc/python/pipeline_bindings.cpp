@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <map>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
@@ -163,14 +164,26 @@ void bind_pipeline(py::module_& parent) {
          double forward,
          double backward,
          std::optional<double> weight,
-         double comm) {
-        return simulate(schedule, CostModel{forward, backward, weight, comm});
+         double comm,
+         const std::string& semantics) {
+        const std::map<std::string, CommSemantics> kinds{
+            {"gloo", CommSemantics::kGloo},
+            {"nccl", CommSemantics::kNccl},
+            {"nccl_ungrouped", CommSemantics::kNcclUngrouped}};
+        const auto kind = kinds.find(semantics);
+        TORCH_CHECK(kind != kinds.end(),
+                    "torch_mp.pipeline.simulate: comm_semantics must be \"gloo\", \"nccl\" or "
+                    "\"nccl_ungrouped\", got \"",
+                    semantics,
+                    "\"");
+        return simulate(schedule, CostModel{forward, backward, weight, comm}, kind->second);
       },
       py::arg("schedule"),
       py::arg("forward"),
       py::arg("backward"),
       py::arg("weight"),
-      py::arg("comm"));
+      py::arg("comm"),
+      py::arg("comm_semantics"));
 }
 
 }  // namespace torch_mp::python

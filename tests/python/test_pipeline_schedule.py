@@ -166,3 +166,40 @@ def test_partition_by_time_isolates_the_slow_layer():
     # The slow layer outweighs all others together, so the best cut gives it a stage of its own.
     assert [list(s._modules) for s in stages] == [["0", "1"], ["2"], ["3"]]
     assert all(p.grad is None for p in model.parameters())  # profiling leaves no gradients
+
+
+# ---- NCCL semantics ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8)])
+def test_generated_schedules_run_under_nccl_when_grouped(name, p, m):
+    schedule = pipeline.schedule(name, p, m)
+    nccl = pipeline.simulate(schedule, comm_semantics="nccl")
+    assert nccl.makespan == pipeline.simulate(schedule).makespan
+
+
+def test_interleaved_runs_under_nccl_when_grouped_at_four_ranks():
+    pipeline.simulate(pipeline.schedule("interleaved_1f1b", 8, 8, 2), comm_semantics="nccl")
+
+
+def test_one_at_a_time_sends_deadlock_1f1b_under_nccl():
+    # Both neighbours send first in the steady state; under NCCL each send waits for a receive
+    # that sits behind the other rank's send on the same stream.
+    schedule = pipeline.schedule("1f1b", 2, 4)
+    pipeline.simulate(schedule)  # Gloo buffers the sends
+    with pytest.raises(RuntimeError, match="deadlocks under NCCL") as error:
+        pipeline.simulate(schedule, comm_semantics="nccl_ungrouped")
+    assert "NCCL stream rank 0 -> rank 1 is held at" in str(error.value)
+
+
+def test_messages_received_out_of_order_are_refused_under_nccl():
+    # By tag (Gloo) each receive gets its own message; NCCL ignores tags and pairs them in order.
+    schedule = pipeline.load_schedule(
+        "# torch_mp schedule mine: num_stages=2 num_microbatches=2 stages_per_rank=1\n"
+        "rank 0: F(0,0) SEND_F(0,0) F(0,1) SEND_F(0,1) RECV_B(0,0) BW(0,0) RECV_B(0,1) BW(0,1)\n"
+        "rank 1: RECV_F(1,1) RECV_F(1,0) F(1,0) BW(1,0) SEND_B(1,0) F(1,1) BW(1,1) SEND_B(1,1)\n"
+    )
+    pipeline.simulate(schedule)
+    with pytest.raises(RuntimeError, match=r"SEND_F\(0,0\) .* would land in rank 1's RECV_F\(1,1\)"):
+        pipeline.simulate(schedule, comm_semantics="nccl")

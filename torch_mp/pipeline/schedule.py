@@ -57,6 +57,8 @@ def simulate(
     backward: float = 2.0,
     weight: float | None = None,
     comm: float = 0.0,
+    *,
+    comm_semantics: str = "gloo",
 ) -> SimulationResult:
     """Replays ``schedule`` with a cost model, checking that it can run.
 
@@ -67,6 +69,13 @@ def simulate(
             without ``weight``, ``backward`` is the whole backward (BW = backward, B = W = half).
         weight: Time of W (weight gradient).
         comm: Latency from a send to its receive.
+        comm_semantics: How sends and receives behave. ``"gloo"``: a send is buffered, a receive
+            waits for its message (matched by tag). ``"nccl"``: NCCL's rules, under which a
+            schedule that Gloo runs may deadlock: a send completes only together with its
+            receive, messages between two ranks are matched in order (tags ignored), and a
+            rank's operations to one peer run in order; a rank's consecutive sends and receives
+            are posted as one group (as the executor posts them, and as ``batch_isend_irecv``
+            does). ``"nccl_ungrouped"``: the same, each operation posted on its own.
 
     Returns:
         A :class:`SimulationResult` with ``makespan``, ``bubble_fraction``, per-rank ``busy``
@@ -74,6 +83,7 @@ def simulate(
 
     Raises:
         RuntimeError: Naming rank, step and action, if the schedule would deadlock, breaks a
-            dependency, has a receive without a send (or the reverse), or misses a computation.
+            dependency, has a receive without a send (or the reverse), misses a computation, or
+            (NCCL) would deliver a message into a receive meant for another.
     """
-    return _core.simulate(schedule, forward, backward, weight, comm)
+    return _core.simulate(schedule, forward, backward, weight, comm, comm_semantics)

@@ -7,6 +7,8 @@
 #include <sstream>
 #include <tuple>
 
+#include "torch_mp/pipeline/nccl_streams.h"
+
 namespace torch_mp::pipeline {
 
 double CostModel::cost(ActionKind kind) const {
@@ -45,9 +47,11 @@ Action matching_send(const Action& recv) {
 
 class Replay {
  public:
-  Replay(const Schedule& schedule, const CostModel& costs) : s_(schedule), costs_(costs) {
+  Replay(const Schedule& schedule, const CostModel& costs, CommSemantics comm)
+      : s_(schedule), costs_(costs), comm_(comm), streams_(schedule, costs.comm) {
     const auto ranks = s_.num_ranks();
     next_.assign(ranks, 0);
+    posted_.assign(ranks, 0);
     clock_.assign(ranks, 0.0);
     live_.assign(ranks, 0);
     result_.busy.assign(ranks, 0.0);
@@ -66,6 +70,9 @@ class Replay {
       }
     }
     report_deadlock();
+    TORCH_CHECK(comm_ == CommSemantics::kGloo || streams_.idle(),
+                "torch_mp.pipeline: under NCCL a send is never received:",
+                streams_.pending());
     check_complete();
     for (int64_t r = 0; r < s_.num_ranks(); ++r) {
       result_.makespan = std::max(result_.makespan, clock_[r]);
@@ -191,14 +198,25 @@ class Replay {
         break;
       case ActionKind::kSendForward:
         require(r, a, {ActionKind::kForward, a.stage, a.microbatch});
+        post_sends_and_receives(r);
         break;
       case ActionKind::kSendBackward:
         if (!done({ActionKind::kBackwardInput, a.stage, a.microbatch})) {
           require(r, a, {ActionKind::kFullBackward, a.stage, a.microbatch});
         }
+        post_sends_and_receives(r);
         break;
       case ActionKind::kRecvForward:
       case ActionKind::kRecvBackward: {
+        if (comm_ != CommSemantics::kGloo) {
+          post_sends_and_receives(r);
+          const auto done = streams_.completed(r, next_[r]);
+          if (!done) {
+            return false;  // NCCL: not matched yet
+          }
+          start = std::max(start, *done);
+          break;
+        }
         const auto arrival = arrivals_.find(key_of(matching_send(a)));
         if (arrival == arrivals_.end()) {
           return false;  // the sender has not got there yet
@@ -226,6 +244,27 @@ class Replay {
     return true;
   }
 
+  // NCCL: posts rank r's send or receive at next_[r] and, grouped, the sends and receives that
+  // follow it up to the next computation (posted once), then matches what can be matched.
+  void post_sends_and_receives(int64_t r) {
+    if (comm_ == CommSemantics::kGloo) {
+      return;
+    }
+    if (posted_[r] <= next_[r]) {
+      const auto& list = s_.actions[r];
+      size_t end = next_[r] + 1;
+      while (comm_ == CommSemantics::kNccl && end < list.size() && !is_compute(list[end].kind)) {
+        ++end;
+      }
+      const int64_t group = groups_++;
+      for (size_t i = next_[r]; i < end; ++i) {
+        streams_.post(r, i, list[i], clock_[r], group);
+      }
+      posted_[r] = end;
+    }
+    streams_.progress();
+  }
+
   void report_deadlock() const {
     std::ostringstream blocked;
     for (int64_t r = 0; r < s_.num_ranks(); ++r) {
@@ -237,8 +276,11 @@ class Replay {
       }
     }
     TORCH_CHECK(blocked.str().empty(),
-                "torch_mp.pipeline: the schedule deadlocks; every unfinished rank waits:",
-                blocked.str());
+                "torch_mp.pipeline: the schedule deadlocks",
+                comm_ == CommSemantics::kGloo ? "" : " under NCCL",
+                "; every unfinished rank waits:",
+                blocked.str(),
+                comm_ == CommSemantics::kGloo ? "" : streams_.pending());
   }
 
   void check_complete() const {
@@ -264,6 +306,10 @@ class Replay {
 
   const Schedule& s_;
   const CostModel& costs_;
+  CommSemantics comm_;
+  NcclStreams streams_;
+  std::vector<size_t> posted_;  // NCCL: rank r's actions before posted_[r] are posted
+  int64_t groups_ = 0;
   std::vector<size_t> next_;
   std::vector<double> clock_;
   std::vector<int64_t> live_;
@@ -274,9 +320,9 @@ class Replay {
 
 }  // namespace
 
-SimulationResult simulate(const Schedule& schedule, const CostModel& costs) {
+SimulationResult simulate(const Schedule& schedule, const CostModel& costs, CommSemantics comm) {
   TORCH_CHECK(schedule.num_ranks() > 0, "torch_mp.pipeline.simulate: the schedule has no ranks");
-  return Replay(schedule, costs).run();
+  return Replay(schedule, costs, comm).run();
 }
 
 }  // namespace torch_mp::pipeline

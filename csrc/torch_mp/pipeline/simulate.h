@@ -49,10 +49,26 @@ struct SimulationResult {
   std::vector<TimedAction> timeline;
 };
 
+/// How sends and receives behave in the replay.
+enum class CommSemantics {
+  /// Gloo's: a send is buffered and completes on its own; a receive waits for its message
+  /// (matched by tag).
+  kGloo,
+  /// NCCL's (nccl_streams.h): a send completes only with its receive, messages between two ranks
+  /// are matched in order (tags ignored), and a rank's operations to one peer run in order. A
+  /// rank's consecutive sends and receives are posted as one group, as the executor posts them.
+  kNccl,
+  /// NCCL's, every send and receive posted on its own (what one-at-a-time isend/irecv does).
+  kNcclUngrouped,
+};
+
 /// Replays `schedule` under `costs`. Raises, naming the rank, the step and the action, if an
 /// action sits on a rank that does not hold its stage, comes before what it depends on, or runs
-/// twice; if a receive has no matching send (or a send no receive); if the ranks would deadlock;
-/// or if a stage and micro-batch lacks its forward or backward.
-SimulationResult simulate(const Schedule& schedule, const CostModel& costs = {});
+/// twice; if a receive has no matching send (or a send no receive); if the ranks would deadlock
+/// (under `comm`'s semantics); if, under NCCL's, a message would land in a receive meant for
+/// another; or if a stage and micro-batch lacks its forward or backward.
+SimulationResult simulate(const Schedule& schedule,
+                          const CostModel& costs = {},
+                          CommSemantics comm = CommSemantics::kGloo);
 
 }  // namespace torch_mp::pipeline
