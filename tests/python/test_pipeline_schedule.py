@@ -201,5 +201,6 @@ def test_messages_received_out_of_order_are_refused_under_nccl():
         "rank 1: RECV_F(1,1) RECV_F(1,0) F(1,0) BW(1,0) SEND_B(1,0) F(1,1) BW(1,1) SEND_B(1,1)\n"
     )
     pipeline.simulate(schedule)
-    with pytest.raises(RuntimeError, match=r"SEND_F\(0,0\) .* would land in rank 1's RECV_F\(1,1\)"):
+    misrouted = r"SEND_F\(0,0\) .* would land in rank 1's RECV_F\(1,1\)"
+    with pytest.raises(RuntimeError, match=misrouted):
         pipeline.simulate(schedule, comm_semantics="nccl")
