@@ -150,6 +150,7 @@ void bind_pipeline(py::module_& parent) {
       .def_property_readonly("trace", &Pipeline::trace)
       .def_property_readonly("schedule", &Pipeline::schedule);
 
+  m.def("make_nccl_safe", &make_nccl_safe, py::arg("schedule"));
   m.def("balanced_partition", &balanced_partition, py::arg("costs"), py::arg("num_stages"));
   m.def("schedule_names", &schedule_names);
   m.def("make_schedule",

@@ -64,6 +64,26 @@ def test_step_matches_one_process_reference(name, stages_per_rank, world_size, r
     world.run(_step_matches_reference, name, stages_per_rank, 2)
 
 
+def _nccl_safe_interleaved_matches_reference() -> None:
+    p, rank = dist.get_world_size(), dist.get_rank()
+    mesh = use_mesh(1, pp=p)
+    stages = _model(2 * p)
+    reference = copy.deepcopy(nn.Sequential(*stages))
+    m = 2 * p
+    x, y = rank_tensor(1, 0, 2 * m, WIDTH), rank_tensor(2, 0, 2 * m, WIDTH)
+    nn.functional.mse_loss(reference(x), y).backward()
+    schedule = pipeline.make_nccl_safe(pipeline.schedule("interleaved_1f1b", 2 * p, m, 2))
+    pipe = pipeline.Pipeline(stages[rank::p], schedule, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    pipe.step(x if rank == 0 else None, target=y if rank == p - 1 else None)
+    for index, stage in zip(range(rank, 2 * p, p), stages[rank::p], strict=True):
+        for param, ref in zip(stage.parameters(), reference[index].parameters(), strict=True):
+            assert_close(param.grad, ref.grad, f"stage {index} gradient")
+
+
+def test_the_nccl_safe_order_runs_exactly(world2):
+    world2.run(_nccl_safe_interleaved_matches_reference)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_gradients_accumulate_over_steps(name, world2):
     world2.run(_step_matches_reference, name, 1, 2, 2)

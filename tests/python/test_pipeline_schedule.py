@@ -183,6 +183,31 @@ def test_interleaved_runs_under_nccl_when_grouped_at_four_ranks():
     pipeline.simulate(pipeline.schedule("interleaved_1f1b", 8, 8, 2), comm_semantics="nccl")
 
 
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_make_nccl_safe_mends_interleaved_on_two_ranks(m):
+    schedule = pipeline.schedule("interleaved_1f1b", 4, m, 2)
+    with pytest.raises(RuntimeError, match="deadlocks under NCCL"):
+        pipeline.simulate(schedule, comm_semantics="nccl")
+    safe = pipeline.make_nccl_safe(schedule)
+    assert str(safe) != str(schedule)
+    gloo = pipeline.simulate(schedule).makespan
+    assert pipeline.simulate(safe, comm_semantics="nccl").makespan == pytest.approx(gloo)
+    # With a latency, a send that waits for its receive costs a little.
+    costs = {"forward": 1.0, "backward": 2.0, "comm": 0.1}
+    slower = pipeline.simulate(safe, comm_semantics="nccl", **costs).makespan
+    assert slower <= 1.05 * pipeline.simulate(schedule, **costs).makespan
+
+
+@pytest.mark.parametrize(
+    "name,spr", [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)]
+)
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_generated_schedule_is_nccl_safe_after_make_nccl_safe(name, spr, p):
+    m = 2 * p
+    safe = pipeline.make_nccl_safe(pipeline.schedule(name, p * spr, m, spr))
+    pipeline.simulate(safe, comm_semantics="nccl")
+
+
 def test_one_at_a_time_sends_deadlock_1f1b_under_nccl():
     # Both neighbours send first in the steady state; under NCCL each send waits for a receive
     # that sits behind the other rank's send on the same stream.

@@ -51,6 +51,21 @@ def load_schedule(path_or_text: str | os.PathLike) -> Schedule:
     return Schedule.parse(text)
 
 
+def make_nccl_safe(schedule: Schedule) -> Schedule:
+    """``schedule`` with sends moved later where NCCL's rules would deadlock.
+
+    While a replay under ``simulate(..., comm_semantics="nccl")`` gets stuck on a stream held by
+    a lone send, that send moves past its rank's next computation, into the next group of sends
+    and receives. Delaying a send is always valid (its tensors are ready and kept). Every
+    generated schedule passes unchanged except ``interleaved_1f1b`` on two ranks, whose makespan
+    the moves leave as it was.
+
+    Raises:
+        RuntimeError: If a deadlock remains that no such move resolves.
+    """
+    return _core.make_nccl_safe(schedule)
+
+
 def simulate(
     schedule: Schedule,
     forward: float = 1.0,

@@ -107,6 +107,21 @@ bool NcclStreams::idle() const {
   return std::all_of(ops_.begin(), ops_.end(), [](const Op& op) { return op.done.has_value(); });
 }
 
+std::optional<std::pair<int64_t, size_t>> NcclStreams::held_send() const {
+  for (const auto& [stream, ids] : streams_) {
+    for (size_t id : ids) {
+      const Op& op = ops_[id];
+      if (!op.done) {
+        if (is_send(op.action.kind)) {
+          return std::make_pair(op.rank, op.index);
+        }
+        break;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
 std::string NcclStreams::pending() const {
   std::ostringstream out;
   for (const auto& [stream, ids] : streams_) {

@@ -38,6 +38,8 @@ class NcclStreams {
   std::string pending() const;
   /// Whether every posted operation completed.
   bool idle() const;
+  /// The first stream (in rank order) that is held at a send, as (rank, index of the send).
+  std::optional<std::pair<int64_t, size_t>> held_send() const;
 
  private:
   struct Op {

@@ -59,16 +59,7 @@ class Replay {
   }
 
   SimulationResult run() {
-    check_placement_and_pairs();
-    for (bool progress = true; progress;) {
-      progress = false;
-      for (int64_t r = 0; r < s_.num_ranks(); ++r) {
-        while (next_[r] < s_.actions[r].size() && step(r)) {
-          ++next_[r];
-          progress = true;
-        }
-      }
-    }
+    replay();
     report_deadlock();
     TORCH_CHECK(comm_ == CommSemantics::kGloo || streams_.idle(),
                 "torch_mp.pipeline: under NCCL a send is never received:",
@@ -89,7 +80,27 @@ class Replay {
     return result_;
   }
 
+  // NCCL: replays until done or stuck; if stuck on a stream held by a send, that send.
+  std::optional<std::pair<int64_t, size_t>> held_send() {
+    replay();
+    return streams_.held_send();
+  }
+
  private:
+  // Runs every rank as far as it can go.
+  void replay() {
+    check_placement_and_pairs();
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (int64_t r = 0; r < s_.num_ranks(); ++r) {
+        while (next_[r] < s_.actions[r].size() && step(r)) {
+          ++next_[r];
+          progress = true;
+        }
+      }
+    }
+  }
+
   // Static checks: every action on its stage's rank, every receive with a send and vice versa.
   void check_placement_and_pairs() {
     std::map<Key, int64_t> sends;
@@ -319,6 +330,35 @@ class Replay {
 };
 
 }  // namespace
+
+Schedule make_nccl_safe(Schedule schedule) {
+  size_t moves = 0;
+  for (const auto& list : schedule.actions) {
+    moves += list.size();  // each send moves forward at most the length of its list
+  }
+  const CostModel costs;
+  for (size_t round = 0; round <= moves; ++round) {
+    const auto held = Replay(schedule, costs, CommSemantics::kNccl).held_send();
+    if (!held) {
+      return schedule;  // runs (or fails for a reason no move of a send can mend)
+    }
+    auto& list = schedule.actions[held->first];
+    size_t next_compute = held->second + 1;
+    while (next_compute < list.size() && !is_compute(list[next_compute].kind)) {
+      ++next_compute;
+    }
+    TORCH_CHECK(next_compute < list.size(),
+                "torch_mp.pipeline: under NCCL rank ",
+                held->first,
+                "'s ",
+                list[held->second].to_string(),
+                " deadlocks and cannot be moved later");
+    const Action send = list[held->second];
+    list.erase(list.begin() + static_cast<std::ptrdiff_t>(held->second));
+    list.insert(list.begin() + static_cast<std::ptrdiff_t>(next_compute), send);
+  }
+  TORCH_CHECK(false, "torch_mp.pipeline: the schedule cannot be made to run under NCCL");
+}
 
 SimulationResult simulate(const Schedule& schedule, const CostModel& costs, CommSemantics comm) {
   TORCH_CHECK(schedule.num_ranks() > 0, "torch_mp.pipeline.simulate: the schedule has no ranks");

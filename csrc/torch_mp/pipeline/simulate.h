@@ -71,4 +71,11 @@ SimulationResult simulate(const Schedule& schedule,
                           const CostModel& costs = {},
                           CommSemantics comm = CommSemantics::kGloo);
 
+/// `schedule` with sends moved later where NCCL would deadlock (CommSemantics::kNccl): while a
+/// replay gets stuck on a stream held by a lone send, that send moves past the rank's next
+/// computation, into the next group of sends and receives. Delaying a send is always valid (its
+/// tensors are ready and kept); a schedule that needs no change is returned as it is. Raises if
+/// a deadlock remains that no such move resolves.
+Schedule make_nccl_safe(Schedule schedule);
+
 }  // namespace torch_mp::pipeline
