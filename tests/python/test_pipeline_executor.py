@@ -201,3 +201,47 @@ def test_the_measured_trace_renders(world2, tmp_path):
     counts = world2.run(_trace, str(tmp_path))
     assert counts == [len(a) for a in pipeline.schedule("1f1b", 2, 2).actions]
     assert (tmp_path / "rank1.svg").exists() and (tmp_path / "rank0.json").exists()
+
+
+class _FailsAt(nn.Module):
+    """Runs ``module`` but raises on its ``fail_at``-th forward call (counting from 0)."""
+
+    def __init__(self, module: nn.Module, fail_at: int) -> None:
+        super().__init__()
+        self.module, self.fail_at, self.calls = module, fail_at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise RuntimeError("injected failure")
+        return self.module(x)
+
+
+def _stale_messages_are_never_taken() -> None:
+    rank = dist.get_rank()
+    mesh = use_mesh(1, pp=2)
+    stages = _model(2)
+    reference = copy.deepcopy(nn.Sequential(*stages))
+    m = 4
+    # Stage 0 fails on micro-batch 3 after sending 0..2; stage 1 fails on micro-batch 1, so
+    # micro-batch 2's message stays unreceived.
+    failing = _FailsAt(stages[rank], fail_at=3 if rank == 0 else 1)
+    first = pipeline.Pipeline(failing, "gpipe", m, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    other = rank_tensor(9, 0, 2 * m, WIDTH)  # other data: a stale message would show
+    message = error_of(first.step, other if rank == 0 else None, target=other)
+    assert message is not None and "injected failure" in message
+    for param in stages[rank].parameters():
+        param.grad = None
+    x, y = rank_tensor(1, 0, 2 * m, WIDTH), rank_tensor(2, 0, 2 * m, WIDTH)
+    expected = nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    second = pipeline.Pipeline(stages[rank], "gpipe", m, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    loss = second.step(x if rank == 0 else None, target=y if rank == 1 else None)
+    if rank == 1:
+        assert_close(loss, expected.detach(), "loss after a failed step")
+    for param, ref in zip(stages[rank].parameters(), reference[rank].parameters(), strict=True):
+        assert_close(param.grad, ref.grad, "gradient after a failed step")
+
+
+def test_a_new_pipeline_never_takes_a_failed_steps_messages(world2):
+    world2.run(_stale_messages_are_never_taken)

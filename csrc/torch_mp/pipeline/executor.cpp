@@ -4,8 +4,10 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
+#include <limits>
 #include <sstream>
 
 #include "torch_mp/collectives.h"
@@ -49,6 +51,12 @@ std::vector<at::Tensor> input_gradients(const std::vector<at::Tensor>& inputs,
   }
   return grads;
 }
+
+// Pipelines this process has built (see Executor::pipeline_id_).
+std::atomic<int64_t> pipelines_built{0};
+
+// Gloo tags are 31-bit; each (pipeline, step) gets its own range of them while they last.
+constexpr int64_t kMaxTag = std::numeric_limits<int32_t>::max();
 
 }  // namespace
 
@@ -108,6 +116,12 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
               schedule_.stages_per_rank,
               " stage(s) on each rank");
   simulate(schedule_);  // raises, naming rank, step and action, if the schedule cannot run
+  // One id for this Pipeline on every rank of the group, whatever each built before.
+  pipeline_id_ =
+      comm::all_reduce(
+          at::scalar_tensor(pipelines_built.load(), at::kLong), group_, c10d::ReduceOp::MAX)
+          .item<int64_t>();
+  pipelines_built = pipeline_id_ + 1;
   last_backward_.resize(stages_.size());
   const auto& mine = schedule_.actions[rank_];
   for (size_t i = 0; i < mine.size(); ++i) {
@@ -142,9 +156,18 @@ int Executor::tag(ActionKind kind, int64_t stage, int64_t microbatch) const {
   const int64_t sender = kind == ActionKind::kRecvForward    ? stage - 1
                          : kind == ActionKind::kRecvBackward ? stage + 1
                                                              : stage;
+  const int64_t messages = 2 * schedule_.num_stages * schedule_.num_microbatches;
   const int64_t index =
       ((forward ? 0 : 1) * schedule_.num_stages + sender) * schedule_.num_microbatches + microbatch;
-  return static_cast<int>(index * kTagsPerMessage);
+  const int64_t epochs = std::max<int64_t>(1, kMaxTag / kTagsPerMessage / messages);
+  const int64_t epoch = (pipeline_id_ * 1000003 + steps_run_) % epochs;
+  return static_cast<int>((epoch * messages + index) * kTagsPerMessage);
+}
+
+std::string Executor::where(const Action& a) const {
+  std::ostringstream out;
+  out << "rank " << rank_ << "'s " << a.to_string();
+  return out.str();
 }
 
 void Executor::forward(const Action& a,
@@ -345,6 +368,7 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
   trace_.clear();
   pending_sends_.clear();
   broken_ = true;  // until this step completes
+  ++steps_run_;
   sync_armed_.assign(stages_.size(), false);
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -359,14 +383,18 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
             as_stage_inputs(recv_tensors(static_cast<int>(schedule_.rank_of_stage(a.stage - 1)),
                                          tag(a.kind, a.stage, a.microbatch),
                                          group_,
-                                         device_),
+                                         device_,
+                                         {pipeline_id_, steps_run_},
+                                         where(a)),
                             train);
         break;
       case ActionKind::kRecvBackward:
         slot.output_grads = recv_tensors(static_cast<int>(schedule_.rank_of_stage(a.stage + 1)),
                                          tag(a.kind, a.stage, a.microbatch),
                                          group_,
-                                         device_);
+                                         device_,
+                                         {pipeline_id_, steps_run_},
+                                         where(a));
         break;
       case ActionKind::kSendForward:
       case ActionKind::kSendBackward: {
@@ -375,7 +403,8 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
             send_tensors(fwd ? slot.outputs : slot.input_grads,
                          static_cast<int>(schedule_.rank_of_stage(a.stage + (fwd ? 1 : -1))),
                          tag(a.kind, a.stage, a.microbatch),
-                         group_);
+                         group_,
+                         {pipeline_id_, steps_run_});
         pending_sends_.insert(pending_sends_.end(), works.begin(), works.end());
         if (!fwd) {
           slot.input_grads.clear();  // the pending work holds what it still needs

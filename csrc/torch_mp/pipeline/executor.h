@@ -102,6 +102,7 @@ class Executor {
   void before_accumulating(const Action& a, size_t index);
   std::vector<at::Tensor> gradients_for(const Action& a, Slot& slot);
   int tag(ActionKind kind, int64_t stage, int64_t microbatch) const;
+  std::string where(const Action& a) const;
   Stage& local(int64_t stage);
 
   Schedule schedule_;
@@ -109,6 +110,10 @@ class Executor {
   LossFn loss_;
   GroupPtr group_;
   int64_t rank_;
+  // Messages are bound to their Pipeline and step (p2p.h's MessageStamp and the tags), so a
+  // message left over from a failed step is never taken for a new one.
+  int64_t pipeline_id_ = 0;
+  int64_t steps_run_ = 0;
   at::Device device_ = at::kCPU;
   std::map<std::pair<int64_t, int64_t>, Slot> slots_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends_;

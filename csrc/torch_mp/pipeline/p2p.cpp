@@ -6,11 +6,12 @@
 namespace torch_mp::pipeline {
 namespace {
 
-// Metadata layout (int64): [count, then per tensor: dtype, ndim, size_0 .. size_{ndim-1}].
+// Metadata layout (int64): [pipeline, step, count, then per tensor: dtype, ndim, size_0 ..
+// size_{ndim-1}].
 constexpr int64_t kMaxDims = 8;
-constexpr int64_t kMetadataLength = 1 + kMaxTensorsPerMessage * (2 + kMaxDims);
+constexpr int64_t kMetadataLength = 3 + kMaxTensorsPerMessage * (2 + kMaxDims);
 
-at::Tensor encode(const std::vector<at::Tensor>& tensors) {
+at::Tensor encode(const std::vector<at::Tensor>& tensors, MessageStamp stamp) {
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) <= kMaxTensorsPerMessage,
               "torch_mp.pipeline: a stage passes ",
               tensors.size(),
@@ -20,6 +21,8 @@ at::Tensor encode(const std::vector<at::Tensor>& tensors) {
   auto metadata = at::zeros({kMetadataLength}, at::kLong);
   auto* out = metadata.data_ptr<int64_t>();
   int64_t i = 0;
+  out[i++] = stamp.pipeline;
+  out[i++] = stamp.step;
   out[i++] = static_cast<int64_t>(tensors.size());
   for (const auto& t : tensors) {
     TORCH_CHECK(t.dim() <= kMaxDims,
@@ -36,9 +39,26 @@ at::Tensor encode(const std::vector<at::Tensor>& tensors) {
   return metadata;
 }
 
-std::vector<at::Tensor> allocate(const at::Tensor& metadata, at::Device device) {
+std::vector<at::Tensor> allocate(const at::Tensor& metadata,
+                                 at::Device device,
+                                 MessageStamp expected,
+                                 const std::string& what) {
   const auto* in = metadata.data_ptr<int64_t>();
   int64_t i = 0;
+  const MessageStamp got{in[0], in[1]};
+  i = 2;
+  TORCH_CHECK(got.pipeline == expected.pipeline && got.step == expected.step,
+              "torch_mp.pipeline: ",
+              what,
+              " received a message sent in step ",
+              got.step,
+              " of pipeline ",
+              got.pipeline,
+              " while running step ",
+              expected.step,
+              " of pipeline ",
+              expected.pipeline,
+              " (a message left over from another step); refused");
   const int64_t count = in[i++];
   TORCH_CHECK(count >= 0 && count <= kMaxTensorsPerMessage,
               "torch_mp.pipeline: received malformed tensor metadata (count ",
@@ -61,10 +81,11 @@ std::vector<at::Tensor> allocate(const at::Tensor& metadata, at::Device device) 
 std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::Tensor>& tensors,
                                                          int peer,
                                                          int tag,
-                                                         const GroupPtr& group) {
+                                                         const GroupPtr& group,
+                                                         MessageStamp stamp) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   const at::Device device = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
-  std::vector<at::Tensor> metadata{encode(tensors).to(device)};
+  std::vector<at::Tensor> metadata{encode(tensors, stamp).to(device)};
   works.push_back(group->send(metadata, peer, tag));
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::vector<at::Tensor> one{tensors[i].detach().contiguous()};
@@ -73,11 +94,16 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::T
   return works;
 }
 
-std::vector<at::Tensor> recv_tensors(int peer, int tag, const GroupPtr& group, at::Device device) {
+std::vector<at::Tensor> recv_tensors(int peer,
+                                     int tag,
+                                     const GroupPtr& group,
+                                     at::Device device,
+                                     MessageStamp expected,
+                                     const std::string& what) {
   std::vector<at::Tensor> metadata{
       at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device))};
   group->recv(metadata, peer, tag)->wait();
-  auto tensors = allocate(metadata[0].cpu(), device);
+  auto tensors = allocate(metadata[0].cpu(), device, expected, what);
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::vector<at::Tensor> one{tensors[i]};
     group->recv(one, peer, tag + 1 + static_cast<int>(i))->wait();

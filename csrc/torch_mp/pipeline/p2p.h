@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 #include "torch_mp/process_groups.h"
@@ -20,15 +21,29 @@ constexpr int64_t kMaxTensorsPerMessage = 32;
 /// Tags one message uses: [tag, tag + kTagsPerMessage).
 constexpr int kTagsPerMessage = kMaxTensorsPerMessage + 1;
 
-/// Sends `tensors` (made contiguous) to rank `peer` of `group` under tags starting at `tag`.
-/// Returns the pending works.
+/// What a message belongs to: the pipeline instance and step that sent it, so that a message
+/// left over from an earlier (failed) step or another Pipeline is never taken for a new one.
+struct MessageStamp {
+  int64_t pipeline = 0;
+  int64_t step = 0;
+};
+
+/// Sends `tensors` (made contiguous) to rank `peer` of `group` under tags starting at `tag`,
+/// stamped with `stamp`. Returns the pending works.
 std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::Tensor>& tensors,
                                                          int peer,
                                                          int tag,
-                                                         const GroupPtr& group);
+                                                         const GroupPtr& group,
+                                                         MessageStamp stamp);
 
-/// Receives what `send_tensors` sent from `peer` under `tag`, allocated on `device`.
-/// Raises if the metadata is malformed (a sender that is not a torch_mp pipeline stage).
-std::vector<at::Tensor> recv_tensors(int peer, int tag, const GroupPtr& group, at::Device device);
+/// Receives what `send_tensors` sent from `peer` under `tag`, allocated on `device`. Raises if
+/// the metadata is malformed (a sender that is not a torch_mp pipeline stage) or carries another
+/// stamp than `expected` (a message of another step or Pipeline); `what` names the receive.
+std::vector<at::Tensor> recv_tensors(int peer,
+                                     int tag,
+                                     const GroupPtr& group,
+                                     at::Device device,
+                                     MessageStamp expected,
+                                     const std::string& what);
 
 }  // namespace torch_mp::pipeline
