@@ -199,6 +199,37 @@ void check_same_across_ranks(const std::vector<int64_t>& values,
   TORCH_CHECK(false, msg.str());
 }
 
+void check_same_text_across_ranks(const std::string& text,
+                                  const GroupPtr& group,
+                                  const std::string& what) {
+  check_group(group);
+  if (group->getSize() == 1) {
+    return;
+  }
+  constexpr int64_t kQuoted = 200;
+  auto mine = at::zeros({kQuoted + 1}, at::kLong);
+  auto* out = mine.data_ptr<int64_t>();
+  out[0] = static_cast<int64_t>(std::hash<std::string>{}(text) >> 1);
+  for (int64_t i = 0; i < kQuoted && i < static_cast<int64_t>(text.size()); ++i) {
+    out[i + 1] = static_cast<unsigned char>(text[i]);
+  }
+  const auto all = all_gather(mine.unsqueeze(0), 0, group);
+  if (all.eq(mine).all().item<bool>()) {
+    return;
+  }
+  std::ostringstream msg;
+  msg << "torch_mp: " << what << " must be the same on every rank of the group, but ranks "
+      << "disagree (seen on rank " << group->getRank() << "):";
+  for (int64_t r = 0; r < all.size(0); ++r) {
+    std::string quoted;
+    for (int64_t i = 1; i <= kQuoted && all[r][i].item<int64_t>() != 0; ++i) {
+      quoted.push_back(static_cast<char>(all[r][i].item<int64_t>()));
+    }
+    msg << "\n  rank " << r << ": " << quoted;
+  }
+  TORCH_CHECK(false, msg.str());
+}
+
 void check_same_tensors_across_ranks(const std::vector<at::Tensor>& tensors,
                                      const GroupPtr& group,
                                      const std::string& what) {

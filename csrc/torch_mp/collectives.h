@@ -60,6 +60,12 @@ void check_same_across_ranks(const std::vector<int64_t>& values,
                              const GroupPtr& group,
                              const std::string& what);
 
+/// Raises on every rank, quoting each rank's `text`, unless `text` is the same on all ranks of
+/// the group (compared in full through a digest; quoted up to 200 characters).
+void check_same_text_across_ranks(const std::string& text,
+                                  const GroupPtr& group,
+                                  const std::string& what);
+
 /// Raises on every rank unless `tensors` have the same count, dtypes and shapes on all ranks of
 /// the group (one fixed-size exchange: the count and a digest of the rest).
 void check_same_tensors_across_ranks(const std::vector<at::Tensor>& tensors,

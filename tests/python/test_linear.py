@@ -206,3 +206,19 @@ def _indivisible_on_one_rank_only() -> str | None:
 def test_a_size_invalid_on_one_rank_only_raises_on_every_rank(world4):
     for message in world4.run(_indivisible_on_one_rank_only):
         assert message is not None and "must be the same on every rank" in message
+
+
+def _negative_sizes() -> list[str | None]:
+    use_mesh(dist.get_world_size())
+    return [
+        error_of(torch_mp.ColumnParallelLinear, 8, -4),
+        error_of(torch_mp.RowParallelLinear, -8, 4),
+        error_of(torch_mp.ColumnParallelLinear, -8, 4),
+    ]
+
+
+def test_negative_sizes_are_named(world2):
+    for column_out, row_in, column_in in world2.run(_negative_sizes):
+        assert "ColumnParallelLinear: out_features (-4) must be non-negative" in column_out
+        assert "RowParallelLinear: in_features (-8) must be non-negative" in row_in
+        assert "ColumnParallelLinear: in_features (-8) must be non-negative" in column_in

@@ -183,6 +183,20 @@ def test_a_schedule_that_does_not_fit_or_differs_between_ranks_raises(world2):
             stages_mismatch
         )
         assert "must be the same on every rank" in schedule_mismatch
+        # The message quotes every rank's schedule in the user's words.
+        assert "rank 0: schedule 1f1b (num_stages=2, num_microbatches=2" in schedule_mismatch
+        assert "rank 1: schedule 1f1b (num_stages=2, num_microbatches=3" in schedule_mismatch
+
+
+def _different_schedules() -> str | None:
+    mesh = use_mesh(1, pp=2)
+    name = "gpipe" if dist.get_rank() == 0 else "zb_h1"
+    return error_of(pipeline.Pipeline, nn.Linear(WIDTH, WIDTH), name, 2, mesh=mesh)
+
+
+def test_schedules_that_differ_between_ranks_are_named(world2):
+    for message in world2.run(_different_schedules):
+        assert "rank 0: schedule gpipe" in message and "rank 1: schedule zb_h1" in message
 
 
 def _trace(tmp: str) -> int:

@@ -90,14 +90,13 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
   TORCH_CHECK(group_, "Pipeline: no pipeline process group");
   rank_ = group_->getRank();
   // Agreement first, so that a local check failing on one rank cannot strand the others.
-  const auto text_hash = static_cast<int64_t>(std::hash<std::string>{}(schedule_.to_string()) >> 1);
-  comm::check_same_across_ranks(
-      {text_hash,
-       schedule_.num_stages,
-       schedule_.num_microbatches,
-       static_cast<int64_t>(stages_.size())},
-      group_,
-      "the pipeline [schedule text hash, num_stages, num_microbatches, stage modules per rank]");
+  std::ostringstream described;
+  described << "schedule " << schedule_.name << " (num_stages=" << schedule_.num_stages
+            << ", num_microbatches=" << schedule_.num_microbatches
+            << ", stages_per_rank=" << schedule_.stages_per_rank << ", actions digest "
+            << (std::hash<std::string>{}(schedule_.to_string()) % 1000000007) << ") with "
+            << stages_.size() << " stage module(s) per rank";
+  comm::check_same_text_across_ranks(described.str(), group_, "Pipeline: the pipeline");
   // Sends and receives are posted one tensor at a time and may cross between two ranks: fine
   // for Gloo, but NCCL needs them grouped, which is not built yet.
   TORCH_CHECK(group_->getBackendType() != c10d::ProcessGroup::BackendType::NCCL,
@@ -370,6 +369,19 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
   broken_ = true;  // until this step completes
   ++steps_run_;
   sync_armed_.assign(stages_.size(), false);
+  // Every receive of the step is posted now: its metadata may arrive while this rank computes.
+  posted_recvs_.clear();
+  for (size_t index = 0; index < actions.size(); ++index) {
+    const Action& a = actions[index];
+    if (a.kind == ActionKind::kRecvForward || a.kind == ActionKind::kRecvBackward) {
+      const int64_t sender = a.kind == ActionKind::kRecvForward ? a.stage - 1 : a.stage + 1;
+      posted_recvs_.emplace(index,
+                            post_recv(static_cast<int>(schedule_.rank_of_stage(sender)),
+                                      tag(a.kind, a.stage, a.microbatch),
+                                      group_,
+                                      device_));
+    }
+  }
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
@@ -379,23 +391,17 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
     Slot& slot = slots_[{a.stage, a.microbatch}];
     switch (a.kind) {
       case ActionKind::kRecvForward:
-        slot.inputs =
-            as_stage_inputs(recv_tensors(static_cast<int>(schedule_.rank_of_stage(a.stage - 1)),
-                                         tag(a.kind, a.stage, a.microbatch),
-                                         group_,
-                                         device_,
-                                         {pipeline_id_, steps_run_},
-                                         where(a)),
-                            train);
+      case ActionKind::kRecvBackward: {
+        auto received = finish_recv(
+            posted_recvs_.at(index), group_, device_, {pipeline_id_, steps_run_}, where(a));
+        posted_recvs_.erase(index);
+        if (a.kind == ActionKind::kRecvForward) {
+          slot.inputs = as_stage_inputs(received, train);
+        } else {
+          slot.output_grads = std::move(received);
+        }
         break;
-      case ActionKind::kRecvBackward:
-        slot.output_grads = recv_tensors(static_cast<int>(schedule_.rank_of_stage(a.stage + 1)),
-                                         tag(a.kind, a.stage, a.microbatch),
-                                         group_,
-                                         device_,
-                                         {pipeline_id_, steps_run_},
-                                         where(a));
-        break;
+      }
       case ActionKind::kSendForward:
       case ActionKind::kSendBackward: {
         const bool fwd = a.kind == ActionKind::kSendForward;

@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "torch_mp/pipeline/p2p.h"
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/pipeline/simulate.h"
 #include "torch_mp/pipeline/split_backward.h"
@@ -117,6 +118,8 @@ class Executor {
   at::Device device_ = at::kCPU;
   std::map<std::pair<int64_t, int64_t>, Slot> slots_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends_;
+  // This step's receives, posted ahead at its start, by index in the action list.
+  std::map<size_t, PendingRecv> posted_recvs_;
   std::vector<at::Tensor> losses_;
   std::vector<TimedAction> trace_;
   // Per local stage: the index in this rank's action list of its last BW, B and W, and whether

@@ -94,21 +94,35 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::T
   return works;
 }
 
+PendingRecv post_recv(int peer, int tag, const GroupPtr& group, at::Device device) {
+  PendingRecv pending{
+      peer, tag, {at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device))}, {}};
+  pending.work = group->recv(pending.metadata, peer, tag);
+  return pending;
+}
+
+std::vector<at::Tensor> finish_recv(PendingRecv& pending,
+                                    const GroupPtr& group,
+                                    at::Device device,
+                                    MessageStamp expected,
+                                    const std::string& what) {
+  pending.work->wait();
+  auto tensors = allocate(pending.metadata[0].cpu(), device, expected, what);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    std::vector<at::Tensor> one{tensors[i]};
+    group->recv(one, pending.peer, pending.tag + 1 + static_cast<int>(i))->wait();
+  }
+  return tensors;
+}
+
 std::vector<at::Tensor> recv_tensors(int peer,
                                      int tag,
                                      const GroupPtr& group,
                                      at::Device device,
                                      MessageStamp expected,
                                      const std::string& what) {
-  std::vector<at::Tensor> metadata{
-      at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device))};
-  group->recv(metadata, peer, tag)->wait();
-  auto tensors = allocate(metadata[0].cpu(), device, expected, what);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    std::vector<at::Tensor> one{tensors[i]};
-    group->recv(one, peer, tag + 1 + static_cast<int>(i))->wait();
-  }
-  return tensors;
+  auto pending = post_recv(peer, tag, group, device);
+  return finish_recv(pending, group, device, expected, what);
 }
 
 }  // namespace torch_mp::pipeline

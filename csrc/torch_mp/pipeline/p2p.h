@@ -36,6 +36,26 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::T
                                                          const GroupPtr& group,
                                                          MessageStamp stamp);
 
+/// A receive whose metadata message is posted ahead (`post_recv`), to be finished when its
+/// tensors are needed (`finish_recv`): the metadata can arrive while the receiver computes, and
+/// only the data message is then on the critical path.
+struct PendingRecv {
+  int peer = 0;
+  int tag = 0;
+  std::vector<at::Tensor> metadata;
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+/// Posts the metadata receive of the message `peer` sends under `tag`.
+PendingRecv post_recv(int peer, int tag, const GroupPtr& group, at::Device device);
+
+/// Waits for `pending`'s metadata, then receives the tensors; checks as recv_tensors does.
+std::vector<at::Tensor> finish_recv(PendingRecv& pending,
+                                    const GroupPtr& group,
+                                    at::Device device,
+                                    MessageStamp expected,
+                                    const std::string& what);
+
 /// Receives what `send_tensors` sent from `peer` under `tag`, allocated on `device`. Raises if
 /// the metadata is malformed (a sender that is not a torch_mp pipeline stage) or carries another
 /// stamp than `expected` (a message of another step or Pipeline); `what` names the receive.

@@ -137,6 +137,7 @@ void check_parallel_self_attention(int64_t hidden_size,
       group,
       "ParallelSelfAttention configuration [hidden_size, num_heads, bias, dropout (bits), "
       "sequence_parallel]");
+  check_non_negative(hidden_size, "ParallelSelfAttention: hidden_size");
   TORCH_CHECK(num_heads > 0 && hidden_size % num_heads == 0,
               "ParallelSelfAttention: hidden_size (",
               hidden_size,
@@ -163,6 +164,7 @@ void check_parallel_mlp(int64_t hidden_size,
                                 "ParallelMLP configuration [hidden_size, ffn_hidden_size, bias, "
                                 "activation (0 gelu, 1 relu), dropout (bits), sequence_parallel]");
   activation(at::zeros({1}), activation_name);  // raises on an unknown name
+  check_non_negative(hidden_size, "ParallelMLP: hidden_size");
   divide(ffn_hidden_size, group->getSize(), "ParallelMLP: ffn_hidden_size");
 }
 
@@ -187,6 +189,19 @@ void check_parallel_conv_block(int64_t in_channels,
       group,
       "ParallelConvBlock configuration [in_channels, mid_channels, out_channels, kernel_size, "
       "padding, bias]");
+  TORCH_CHECK(
+      in_channels > 0 && mid_channels > 0 && out_channels > 0 && kernel_size > 0 && padding >= 0,
+      "ParallelConvBlock: channels and kernel_size must be positive and padding "
+      "non-negative, got in_channels=",
+      in_channels,
+      ", mid_channels=",
+      mid_channels,
+      ", out_channels=",
+      out_channels,
+      ", kernel_size=",
+      kernel_size,
+      ", padding=",
+      padding);
   divide(mid_channels, group->getSize(), "ParallelConvBlock: mid_channels");
 }
 

@@ -55,6 +55,7 @@ void check_column_parallel_linear(int64_t in_features,
       group,
       "ColumnParallelLinear configuration [in_features, out_features, bias, gather_output, "
       "sequence_parallel]");
+  check_non_negative(in_features, "ColumnParallelLinear: in_features");
   divide(out_features, group->getSize(), "ColumnParallelLinear: out_features");
   TORCH_CHECK(!(gather_output && sequence_parallel),
               "ColumnParallelLinear: gather_output and sequence_parallel cannot both be set "
@@ -74,6 +75,7 @@ void check_row_parallel_linear(int64_t in_features,
       "RowParallelLinear configuration [in_features, out_features, bias, input_is_parallel, "
       "sequence_parallel]");
   divide(in_features, group->getSize(), "RowParallelLinear: in_features");
+  check_non_negative(out_features, "RowParallelLinear: out_features");
   TORCH_CHECK(input_is_parallel || !sequence_parallel,
               "RowParallelLinear: sequence_parallel needs input_is_parallel=True");
 }

@@ -12,8 +12,13 @@
 
 namespace torch_mp::tensor_parallel {
 
+void check_non_negative(int64_t size, const std::string& what) {
+  TORCH_CHECK(size >= 0, what, " (", size, ") must be non-negative");
+}
+
 int64_t divide(int64_t size, int64_t parts, const std::string& what) {
   TORCH_CHECK(parts > 0, what, ": the tensor-parallel size must be positive, got ", parts);
+  check_non_negative(size, what);
   TORCH_CHECK(size % parts == 0,
               what,
               " (",

@@ -14,6 +14,9 @@ namespace torch_mp::tensor_parallel {
 /// `parts` divides `size`.
 int64_t divide(int64_t size, int64_t parts, const std::string& what);
 
+/// Raises "<what> (<size>) must be non-negative" unless size >= 0.
+void check_non_negative(int64_t size, const std::string& what);
+
 /// Chunk `index` of `parts` equal chunks of `full` along `dim`, as a contiguous copy.
 at::Tensor shard(const at::Tensor& full, int64_t dim, int64_t index, int64_t parts);
 
