@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from pipeline_cases import CASES, Case  # beside this script
 from torch import nn
 from torch.distributed import pipelining as torch_pipelining
 
@@ -61,23 +62,6 @@ WEIGHT = 0.010
 WARMUP_STEPS = 2
 STEPS = 3
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One schedule, by its torch_mp name and its torch.distributed.pipelining class."""
-
-    name: str
-    stages_per_rank: int
-    torch_class: type
-
-
-CASES = [
-    Case("gpipe", 1, torch_pipelining.ScheduleGPipe),
-    Case("1f1b", 1, torch_pipelining.Schedule1F1B),
-    Case("interleaved_1f1b", 2, torch_pipelining.ScheduleInterleaved1F1B),
-    Case("zb_h1", 1, torch_pipelining.ScheduleInterleavedZeroBubble),
-]
 
 
 class _SleepInput(torch.autograd.Function):

@@ -174,6 +174,23 @@ at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   return x.narrow(dim, group->getRank() * chunk, chunk).clone(at::MemoryFormat::Contiguous);
 }
 
+namespace {
+
+// Every rank's row of `mine`, or an undefined tensor when all ranks hold the same row.
+at::Tensor rows_if_they_differ(const at::Tensor& mine, const GroupPtr& group) {
+  const auto all = all_gather(mine.unsqueeze(0), 0, group);
+  return all.eq(mine).all().item<bool>() ? at::Tensor() : all;
+}
+
+std::string disagreement(const std::string& what, const GroupPtr& group) {
+  std::ostringstream msg;
+  msg << "torch_mp: " << what << " must be the same on every rank of the group, but ranks "
+      << "disagree (seen on rank " << group->getRank() << "):";
+  return msg.str();
+}
+
+}  // namespace
+
 void check_same_across_ranks(const std::vector<int64_t>& values,
                              const GroupPtr& group,
                              const std::string& what) {
@@ -181,14 +198,12 @@ void check_same_across_ranks(const std::vector<int64_t>& values,
   if (group->getSize() == 1) {
     return;
   }
-  const auto mine = at::tensor(values, at::kLong);
-  const auto all = all_gather(mine.unsqueeze(0), 0, group);
-  if (all.eq(mine).all().item<bool>()) {
+  const auto all = rows_if_they_differ(at::tensor(values, at::kLong), group);
+  if (!all.defined()) {
     return;
   }
   std::ostringstream msg;
-  msg << "torch_mp: " << what << " must be the same on every rank of the group, but ranks "
-      << "disagree (seen on rank " << group->getRank() << "):";
+  msg << disagreement(what, group);
   for (int64_t r = 0; r < all.size(0); ++r) {
     msg << " rank " << r << " has [";
     for (int64_t i = 0; i < all.size(1); ++i) {
@@ -213,13 +228,12 @@ void check_same_text_across_ranks(const std::string& text,
   for (int64_t i = 0; i < kQuoted && i < static_cast<int64_t>(text.size()); ++i) {
     out[i + 1] = static_cast<unsigned char>(text[i]);
   }
-  const auto all = all_gather(mine.unsqueeze(0), 0, group);
-  if (all.eq(mine).all().item<bool>()) {
+  const auto all = rows_if_they_differ(mine, group);
+  if (!all.defined()) {
     return;
   }
   std::ostringstream msg;
-  msg << "torch_mp: " << what << " must be the same on every rank of the group, but ranks "
-      << "disagree (seen on rank " << group->getRank() << "):";
+  msg << disagreement(what, group);
   for (int64_t r = 0; r < all.size(0); ++r) {
     std::string quoted;
     for (int64_t i = 1; i <= kQuoted && all[r][i].item<int64_t>() != 0; ++i) {
