@@ -147,6 +147,7 @@ void bind_pipeline(py::module_& parent) {
           py::arg("parameters"),
           py::arg("group"),
           py::call_guard<py::gil_scoped_release>())
+      .def("set_check_finite", &Pipeline::set_check_finite, py::arg("on"))
       .def_property_readonly("trace", &Pipeline::trace)
       .def_property_readonly("schedule", &Pipeline::schedule);
 

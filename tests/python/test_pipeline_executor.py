@@ -259,3 +259,35 @@ def _stale_messages_are_never_taken() -> None:
 
 def test_a_new_pipeline_never_takes_a_failed_steps_messages(world2):
     world2.run(_stale_messages_are_never_taken)
+
+
+class _NanAt(nn.Module):
+    """A Linear whose output turns NaN on its ``at``-th call."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.linear, self.at, self.calls = nn.Linear(WIDTH, WIDTH), at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.linear(x)
+        return out * float("nan") if self.calls - 1 == self.at else out
+
+
+def _check_finite() -> str | None:
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    torch.manual_seed(0)
+    stage = _NanAt(2) if rank == 0 else nn.Linear(WIDTH, WIDTH)
+    pipe = pipeline.Pipeline(
+        stage, "1f1b", 4, loss_fn=nn.functional.mse_loss, group=group, check_finite=True
+    )
+    x = torch.ones(8, WIDTH)
+    return error_of(pipe.step, x if rank == 0 else None, target=x if rank == 1 else None)
+
+
+def test_check_finite_names_the_first_non_finite_tensor(world2):
+    first, second = world2.run(_check_finite)
+    assert "non-finite values in stage 0's output 0 (Float[2, 8]) of micro-batch 2" in first
+    assert "F(0,2) on rank 0: 16 NaN and 0 infinite entries" in first
+    assert second is not None  # the peer stops at its timeout, not hangs

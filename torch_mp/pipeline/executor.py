@@ -60,6 +60,10 @@ class Pipeline:
             ``mesh.embedding_group`` after every step (so both copies stay equal under any
             optimizer), and norms count them once. With one pipeline rank, share the parameter
             itself instead.
+        check_finite: Check every stage output, loss and input gradient for NaN and Inf as it
+            is made; the first one raises, naming the stage, micro-batch, action and tensor.
+            Costs a reduction per tensor, so it is off by default. (The other ranks learn of it
+            at their group's timeout for now.)
 
     Raises:
         RuntimeError: If the schedule cannot run (it is simulated first), does not fit the group
@@ -76,6 +80,7 @@ class Pipeline:
         mesh: Mesh | None = None,
         group: dist.ProcessGroup | None = None,
         tied_parameters: Sequence[torch.Tensor] = (),
+        check_finite: bool = False,
     ) -> None:
         modules = [stage_modules] if isinstance(stage_modules, nn.Module) else list(stage_modules)
         if mesh is not None and group is not None:
@@ -109,6 +114,7 @@ class Pipeline:
             self._core = _core.Pipeline(stages, loss, schedule, num_microbatches, group.group_name)
         else:
             self._core = _core.Pipeline(stages, loss, schedule, group.group_name)
+        self._core.set_check_finite(check_finite)
         if tied_parameters or (mesh is not None and mesh.embedding_group is not None):
             embedding_group = mesh.embedding_group if mesh is not None else None
             self._core.tie_parameters(

@@ -207,6 +207,7 @@ void Executor::forward(const Action& a,
                 ": ",
                 e.what());
   }
+  require_finite(out, a, "output");
   if (s < schedule_.num_stages - 1) {
     slot.outputs = std::move(out);
     return;
@@ -226,6 +227,7 @@ void Executor::forward(const Action& a,
   TORCH_CHECK(loss.numel() == 1,
               "Pipeline: the loss function must return a scalar, got shape ",
               loss.sizes());
+  require_finite({loss}, a, "loss");
   losses_.push_back(loss.detach().reshape({}));
   if (train) {
     slot.outputs = std::move(out);
@@ -316,6 +318,7 @@ void Executor::backward(const Action& a, size_t index, Slot& slot) {
     slot.output_grads.clear();
   }
   slot.input_grads = input_gradients(slot.inputs, computed);
+  require_finite(slot.input_grads, a, "input gradient");
   slot.inputs.clear();
 }
 
@@ -324,6 +327,41 @@ void Executor::weight(const Action& a, size_t index, Slot& slot) {
     before_accumulating(a, index);
     backward_weight(slot.weight_work, local(a.stage).parameters);
     slot.weight_pending = false;
+  }
+}
+
+void Executor::require_finite(const std::vector<at::Tensor>& tensors,
+                              const Action& a,
+                              const char* what) const {
+  if (!check_finite_) {
+    return;
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (t.defined() && t.is_floating_point() && !at::isfinite(t).all().item<bool>()) {
+      const auto nans = at::isnan(t).sum().item<int64_t>();
+      TORCH_CHECK(false,
+                  "Pipeline: non-finite values in stage ",
+                  a.stage,
+                  "'s ",
+                  what,
+                  " ",
+                  i,
+                  " (",
+                  t.scalar_type(),
+                  t.sizes(),
+                  ") of micro-batch ",
+                  a.microbatch,
+                  " at ",
+                  a.to_string(),
+                  " on rank ",
+                  rank_,
+                  ": ",
+                  nans,
+                  " NaN and ",
+                  t.numel() - nans - at::isfinite(t).sum().item<int64_t>(),
+                  " infinite entries (check_finite)");
+    }
   }
 }
 

@@ -65,6 +65,11 @@ class Executor {
       const std::vector<std::vector<at::Tensor>>& inputs,
       const std::vector<std::vector<at::Tensor>>& targets);
 
+  /// With `on`, every stage output, loss and input gradient is checked for NaN and Inf as it is
+  /// made, and the first one found raises, naming the stage, micro-batch, action and tensor
+  /// (off by default: one reduction per tensor).
+  void set_check_finite(bool on) { check_finite_ = on; }
+
   /// What the last step did on this rank, with wall-clock times (seconds from its start).
   const std::vector<TimedAction>& trace() const { return trace_; }
   const Schedule& schedule() const { return schedule_; }
@@ -101,6 +106,9 @@ class Executor {
   void backward(const Action& a, size_t index, Slot& slot);
   void weight(const Action& a, size_t index, Slot& slot);
   void before_accumulating(const Action& a, size_t index);
+  void require_finite(const std::vector<at::Tensor>& tensors,
+                      const Action& a,
+                      const char* what) const;
   std::vector<at::Tensor> gradients_for(const Action& a, Slot& slot);
   int tag(ActionKind kind, int64_t stage, int64_t microbatch) const;
   std::string where(const Action& a) const;
@@ -129,6 +137,7 @@ class Executor {
   };
   std::vector<LastBackward> last_backward_;
   std::vector<bool> sync_armed_;
+  bool check_finite_ = false;
   bool broken_ = false;  // a step raised part-way; the message streams are out of step
 };
 

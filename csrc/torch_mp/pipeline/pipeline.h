@@ -65,6 +65,9 @@ class Pipeline {
   /// holds both stages (share one parameter there instead).
   void tie_parameters(std::vector<at::Tensor> parameters, GroupPtr embedding_group = {});
 
+  /// Checks every stage output, loss and input gradient for NaN and Inf (Executor).
+  void set_check_finite(bool on) { executor_->set_check_finite(on); }
+
   /// The schedule being run.
   const Schedule& schedule() const { return executor_->schedule(); }
   /// This rank's actions in the last step, with wall-clock times in seconds.
