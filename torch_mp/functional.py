@@ -25,13 +25,35 @@ from torch_mp import _C
 from torch_mp.mesh import tp_group_name
 
 __all__ = [
+    "check_collectives",
     "copy_to_tp",
     "gather_from_sp",
     "gather_from_tp",
     "reduce_from_tp",
     "reduce_scatter_to_sp",
     "scatter_to_tp",
+    "set_check_collectives",
 ]
+
+
+def set_check_collectives(on: bool) -> None:
+    """Turns the collective checks on or off (default: the environment variable
+    ``TORCH_MP_CHECK_COLLECTIVES=1`` turns them on).
+
+    When on, every all-reduce, all-gather and reduce-scatter of torch_mp first compares the
+    ranks' dtypes and shapes, and the tensor-parallel entry points that take a replicated tensor
+    (``copy_to_tp``, hence a column layer's input; VocabParallelEmbedding's ids; the targets of
+    ``vocab_parallel_cross_entropy``) compare its values. A rank holding another shape, dtype or
+    batch then raises on every rank, quoting each rank's tensor, instead of aborting inside Gloo
+    or returning numbers computed from mismatched data. The cost is one small all-gather per
+    collective (and a pass over each replicated input), so it is meant for debugging and tests.
+    """
+    _C.set_check_collectives(on)
+
+
+def check_collectives() -> bool:
+    """Whether the collective checks (:func:`set_check_collectives`) are on."""
+    return _C.check_collectives()
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

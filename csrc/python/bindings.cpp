@@ -91,6 +91,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("what"),
       ReleaseGil());
 
+  m.def("set_check_collectives", &torch_mp::set_check_collectives, py::arg("on"));
+  m.def("check_collectives", &torch_mp::check_collectives);
+
   // ---- autograd collectives ----
   def_collective(m, "copy_to_tp", &torch_mp::copy_to_tp);
   def_collective(m, "reduce_from_tp", &torch_mp::reduce_from_tp);

@@ -4,6 +4,8 @@
 #include <c10/core/WrapDimMinimal.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <functional>
 #include <sstream>
 
@@ -107,7 +109,45 @@ at::Tensor apply(const at::Tensor& x, const GroupPtr& group) {
 
 }  // namespace
 
+namespace {
+
+std::atomic<bool> collective_checks{[] {
+  const char* value = std::getenv("TORCH_MP_CHECK_COLLECTIVES");
+  return value != nullptr && std::string(value) == "1";
+}()};
+// The checks' own all-gathers are not checked again.
+thread_local bool inside_check = false;
+
+std::string describe(const at::Tensor& x) {
+  std::ostringstream out;
+  out << x.scalar_type() << x.sizes();
+  return out.str();
+}
+
+// Before a collective over `group` on `x`: the ranks' dtypes and shapes must agree.
+void check_operands(const at::Tensor& x, const GroupPtr& group, const char* op) {
+  if (!collective_checks || inside_check || group->getSize() == 1) {
+    return;
+  }
+  inside_check = true;
+  try {
+    comm::check_same_text_across_ranks(
+        describe(x), group, std::string("torch_mp collective ") + op + ": the tensors");
+  } catch (...) {
+    inside_check = false;
+    throw;
+  }
+  inside_check = false;
+}
+
+}  // namespace
+
+void set_check_collectives(bool on) { collective_checks = on; }
+
+bool check_collectives() { return collective_checks; }
+
 at::Tensor copy_to_tp(const at::Tensor& x, const GroupPtr& group) {
+  comm::check_replicated(x, group, "copy_to_tp: its input (replicated over the tensor group)");
   return apply<CopyToTp>(x, group);
 }
 
@@ -135,6 +175,7 @@ namespace comm {
 
 at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group, c10d::ReduceOp op) {
   check_group(group);
+  check_operands(x, group, "all_reduce");
   std::vector<at::Tensor> tensors{x.clone(at::MemoryFormat::Contiguous)};
   c10d::AllreduceOptions options;
   options.reduceOp = std::move(op);
@@ -144,6 +185,7 @@ at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group, c10d::ReduceOp
 
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   check_group(group);
+  check_operands(x, group, "all_gather");
   dim = c10::maybe_wrap_dim(dim, x.dim());
   std::vector<at::Tensor> inputs{x.contiguous()};
   std::vector<std::vector<at::Tensor>> outputs(1);
@@ -156,6 +198,7 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
 
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   check_group(group);
+  check_operands(x, group, "reduce_scatter");
   dim = c10::maybe_wrap_dim(dim, x.dim());
   chunk_size(x, dim, group, "reduce_scatter");
   std::vector<std::vector<at::Tensor>> inputs(1);
@@ -242,6 +285,26 @@ void check_same_text_across_ranks(const std::string& text,
     msg << "\n  rank " << r << ": " << quoted;
   }
   TORCH_CHECK(false, msg.str());
+}
+
+void check_replicated(const at::Tensor& x, const GroupPtr& group, const std::string& what) {
+  if (!collective_checks || inside_check || !group || group->getSize() == 1) {
+    return;
+  }
+  // Replicated tensors are computed alike on every rank: compare their bytes (two checksums).
+  const auto bytes = x.detach().contiguous().cpu().view({-1}).view(at::kByte).to(at::kLong);
+  const auto position = at::arange(bytes.numel(), at::kLong).remainder(251).add_(1);
+  std::ostringstream text;
+  text << describe(x) << " values " << bytes.sum().item<int64_t>() << "/"
+       << bytes.mul(position).sum().item<int64_t>();
+  inside_check = true;
+  try {
+    check_same_text_across_ranks(text.str(), group, what);
+  } catch (...) {
+    inside_check = false;
+    throw;
+  }
+  inside_check = false;
 }
 
 void check_same_tensors_across_ranks(const std::vector<at::Tensor>& tensors,

@@ -36,6 +36,18 @@ at::Tensor gather_from_sp(const at::Tensor& x, const GroupPtr& group, int64_t di
 /// Reduce-scatters (sum, then keep own chunk) along the sequence `dim`; all-gathers the gradient.
 at::Tensor reduce_scatter_to_sp(const at::Tensor& x, const GroupPtr& group, int64_t dim = 0);
 
+/// Turns the collective checks on or off (default: on when the environment variable
+/// TORCH_MP_CHECK_COLLECTIVES is 1). When on, every all-reduce, all-gather and reduce-scatter
+/// first compares the ranks' dtypes and shapes, and the tensor-parallel entry points that take a
+/// replicated tensor (copy_to_tp, the ids of VocabParallelEmbedding, the targets of
+/// vocab_parallel_cross_entropy) compare its values: a rank with another shape, dtype or batch
+/// raises on every rank, naming each rank's tensor, instead of aborting the process inside Gloo or
+/// returning numbers computed from mismatched data. Costs one small all-gather per collective
+/// (and a pass over replicated inputs).
+void set_check_collectives(bool on);
+/// Whether the collective checks are on.
+bool check_collectives();
+
 /// Plain (not differentiable) collectives that the ops above are made of. Each returns a new
 /// tensor and leaves its input untouched.
 namespace comm {
@@ -65,6 +77,10 @@ void check_same_across_ranks(const std::vector<int64_t>& values,
 void check_same_text_across_ranks(const std::string& text,
                                   const GroupPtr& group,
                                   const std::string& what);
+
+/// With the collective checks on (check_collectives), raises on every rank unless `x` is the
+/// same on every rank of the group (dtype, shape and values); `what` names it.
+void check_replicated(const at::Tensor& x, const GroupPtr& group, const std::string& what);
 
 /// Raises on every rank unless `tensors` have the same count, dtypes and shapes on all ranks of
 /// the group (one fixed-size exchange: the count and a digest of the rest).

@@ -105,3 +105,42 @@ def _collectives_interleaved_with_python_collectives() -> None:
 
 def test_collectives_release_the_gil_while_they_wait(world4):
     world4.run(_collectives_interleaved_with_python_collectives)
+
+
+# ---- collective checks (torch_mp.functional.set_check_collectives) ---------------------------
+
+
+def _mismatches() -> list[str | None]:
+    tpf = F
+    rank = dist.get_rank()
+    use_mesh(dist.get_world_size())
+    tpf.set_check_collectives(True)
+    try:
+        row = torch_mp.RowParallelLinear(8, 4, input_is_parallel=True)
+        column = torch_mp.ColumnParallelLinear(4, 8)
+        vocab = 4 * dist.get_world_size()
+        return [
+            error_of(tpf.reduce_from_tp, torch.ones(4 + rank)),  # other element counts
+            error_of(tpf.reduce_from_tp, torch.ones(2, 3) if rank else torch.ones(3, 2)),
+            error_of(tpf.gather_from_tp, torch.ones(2, 2 + rank), dim=-1),
+            error_of(row, torch.ones(3 + rank, 8 // dist.get_world_size())),  # another batch
+            error_of(column, torch.full((2, 4), float(rank))),  # inputs differ
+            error_of(
+                torch_mp.vocab_parallel_cross_entropy,
+                torch.zeros(3, vocab // dist.get_world_size()),
+                torch.tensor([0, 1, rank]),  # valid targets that differ
+            ),
+        ]
+    finally:
+        tpf.set_check_collectives(False)
+
+
+def test_checked_collectives_refuse_mismatched_tensors_on_every_rank(world2):
+    for messages in world2.run(_mismatches):
+        counts, shapes, widths, batch, inputs, targets = messages
+        assert "all_reduce: the tensors" in counts and "rank 1: Float[5]" in counts
+        assert "rank 0: Float[3, 2]" in shapes and "rank 1: Float[2, 3]" in shapes
+        assert "all_gather: the tensors" in widths and "rank 1: Float[2, 3]" in widths
+        assert "rank 1: Float[4, 4]" in batch
+        assert "copy_to_tp: its input" in inputs
+        assert "vocab_parallel_cross_entropy: the targets" in targets

@@ -225,6 +225,7 @@ at::Tensor cross_entropy(const at::Tensor& logits,
   TORCH_CHECK(group, "vocab_parallel_cross_entropy: no process group");
   TORCH_CHECK(logits.dim() >= 1 && at::isFloatingType(logits.scalar_type()),
               "vocab_parallel_cross_entropy: logits must be a floating-point tensor [..., V/t]");
+  comm::check_replicated(target, group, "vocab_parallel_cross_entropy: the targets");
   TORCH_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
               "vocab_parallel_cross_entropy: target must have the logits' shape without the last "
               "(vocabulary) dim: logits ",

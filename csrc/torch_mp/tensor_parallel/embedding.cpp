@@ -50,6 +50,7 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& input,
                                     int64_t num_embeddings,
                                     std::optional<int64_t> padding_idx,
                                     const GroupPtr& group) {
+  comm::check_replicated(input, group, "VocabParallelEmbedding: the ids");
   const VocabRange range = vocab_range(num_embeddings, group);
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == range.rows,
               "VocabParallelEmbedding: the weight shard has ",
