@@ -325,7 +325,7 @@ void Executor::backward(const Action& a, size_t index, Slot& slot) {
 void Executor::weight(const Action& a, size_t index, Slot& slot) {
   if (slot.weight_pending) {
     before_accumulating(a, index);
-    backward_weight(slot.weight_work, local(a.stage).parameters);
+    backward_weight(slot.weight_work);
     slot.weight_pending = false;
   }
 }

@@ -69,30 +69,6 @@ struct Graph {
     const auto& r = reach.at(node);
     return r.parameter && !r.input;
   }
-
-  // The parameter accumulators below `node`, in a deterministic order.
-  void parameters_below(Node* node,
-                        const std::unordered_set<const Node*>& parameters,
-                        std::unordered_set<const Node*>& seen,
-                        std::vector<Node*>& found) const {
-    std::vector<Node*> stack{node};
-    while (!stack.empty()) {
-      Node* current = stack.back();
-      stack.pop_back();
-      if (!seen.insert(current).second) {
-        continue;
-      }
-      if (parameters.count(current)) {
-        found.push_back(current);
-      }
-      for (const auto& edge : current->next_edges()) {
-        Node* child = edge.function.get();
-        if (child != nullptr && reach.at(child).parameter) {
-          stack.push_back(child);
-        }
-      }
-    }
-  }
 };
 
 std::unordered_map<const Node*, Edge> accumulators_of(const std::vector<at::Tensor>& tensors) {
@@ -178,89 +154,53 @@ std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& outputs,
     input_grads[valid[j]] = results[j];
   }
 
-  // W's parts: each weight node with the gradients it received and the parameters below its
-  // weight-only children; each output that leads to parameters only.
+  // W starts at every weight node, with the gradient it received, and at every output that
+  // leads to parameters only. Each weight node's edges back towards the inputs are cut (B is
+  // done with them, and the graph is freed after W), so that W, one engine call, runs only the
+  // parameter side: no activation gradient is computed again, and no weight node is reached a
+  // second time through the input path of another.
   work = WeightWork{};
-  std::unordered_map<const Node*, int> uses;
-  auto add_part = [&](edge_list part_roots, std::vector<at::Tensor> grads, Node* node) {
-    std::unordered_set<const Node*> seen;
-    std::vector<Node*> found;
-    for (const auto& edge : node->next_edges()) {
-      if (edge.function && graph.weight_only(edge.function.get())) {
-        graph.parameters_below(edge.function.get(), parameter_nodes, seen, found);
-      }
-    }
-    WeightWork::Part part{std::move(part_roots), std::move(grads), {}};
-    for (Node* p : found) {
-      ++uses[p];
-      part.parameters.push_back(parameter_edges.at(p));
-    }
-    work.parts.push_back(std::move(part));
-  };
   size_t next = valid.size();
   for (Node* node : weight_nodes) {
-    edge_list part_roots;
-    std::vector<at::Tensor> grads;
     for (uint32_t k = 0; k < node->num_inputs(); ++k, ++next) {
       if (results[next].defined()) {
-        part_roots.emplace_back(node->getptr(), k);
-        grads.push_back(results[next]);
+        work.roots.emplace_back(node->getptr(), k);
+        work.grads.push_back(results[next]);
       }
     }
-    if (!part_roots.empty()) {
-      add_part(std::move(part_roots), std::move(grads), node);
+    for (uint32_t i = 0; i < node->num_outputs(); ++i) {
+      const Node* child = node->next_edge(i).function.get();
+      if (child != nullptr && graph.reach.at(child).input) {
+        // Not set_next_edge: that recomputes the node's topological number, which autograd
+        // forbids once the node has a parent. The old number stays a valid upper bound.
+        node->next_edges()[i] = Edge();
+      }
     }
   }
   for (size_t i = 0; i < roots.size(); ++i) {
-    Node* node = roots[i].function.get();
+    const Node* node = roots[i].function.get();
     if (node != nullptr && graph.weight_only(node)) {
-      // The output itself leads to parameters only: W starts at the output.
-      std::unordered_set<const Node*> seen;
-      std::vector<Node*> found;
-      graph.parameters_below(node, parameter_nodes, seen, found);
-      WeightWork::Part part{{roots[i]}, {output_grads[i]}, {}};
-      for (Node* p : found) {
-        ++uses[p];
-        part.parameters.push_back(parameter_edges.at(p));
-      }
-      work.parts.push_back(std::move(part));
+      work.roots.push_back(roots[i]);
+      work.grads.push_back(output_grads[i]);
     }
   }
-  for (const auto& [node, count] : uses) {
-    if (count > 1) {  // a parameter shared by two parts: one backward from the outputs instead
-      work.parts.clear();
-      work.whole = true;
-      work.outputs = outputs;
-      work.output_grads = output_grads;
-      break;
+  for (const auto& p : parameters) {  // in the stage's order, the same on every rank
+    const auto accumulator = p.requires_grad() ? impl::try_get_grad_accumulator(p) : nullptr;
+    if (accumulator && graph.reach.count(accumulator.get())) {
+      work.parameters.emplace_back(accumulator, 0);
     }
   }
   return input_grads;
 }
 
-void backward_weight(WeightWork& work, const std::vector<at::Tensor>& parameters) {
-  if (work.whole) {
-    std::vector<at::Tensor> wanted;
-    for (const auto& p : parameters) {
-      if (p.requires_grad()) {
-        wanted.push_back(p);
-      }
-    }
-    if (!wanted.empty()) {
-      torch::autograd::backward(
-          work.outputs, work.output_grads, /*retain_graph=*/false, /*create_graph=*/false, wanted);
-    }
-  } else {
-    for (auto& part : work.parts) {
-      if (!part.parameters.empty()) {
-        torch::autograd::Engine::get_default_engine().execute(part.roots,
-                                                              part.grads,
-                                                              /*keep_graph=*/false,
-                                                              /*create_graph=*/false,
-                                                              /*accumulate_grad=*/true,
-                                                              part.parameters);
-      }
-    }
+void backward_weight(WeightWork& work) {
+  if (!work.roots.empty() && !work.parameters.empty()) {
+    torch::autograd::Engine::get_default_engine().execute(work.roots,
+                                                          work.grads,
+                                                          /*keep_graph=*/false,
+                                                          /*create_graph=*/false,
+                                                          /*accumulate_grad=*/true,
+                                                          work.parameters);
   }
   work = WeightWork{};
 }

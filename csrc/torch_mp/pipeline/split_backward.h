@@ -13,9 +13,8 @@
 //                     │                       │                        gradients into [matmul k]
 //                     └──> W2                 └──> W1                W: [matmul k] -> Wk
 //
-// Where one parameter feeds several weight nodes (a weight shared inside the stage), W cannot be
-// split per node without either walking the activation path again or accumulating twice; that
-// micro-batch's W then runs as one backward from the outputs to the parameters (exact, slower).
+// W is one autograd-engine call from all weight nodes at once, their edges back towards the
+// inputs cut after B, so that no weight node is reached again through another's input path.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/edge.h>
@@ -24,19 +23,12 @@
 
 namespace torch_mp::pipeline {
 
-/// What B keeps for W: per weight node, where W starts, the gradients arriving there and the
-/// parameters reached from there.
+/// What B keeps for W: where W starts (the weight nodes' inputs, and outputs that lead to
+/// parameters only), the gradients arriving there, and the parameters' accumulators.
 struct WeightWork {
-  struct Part {
-    std::vector<torch::autograd::Edge> roots;
-    std::vector<at::Tensor> grads;
-    std::vector<torch::autograd::Edge> parameters;
-  };
-  std::vector<Part> parts;
-  /// Set when the parts cannot be separated: W is one backward from `outputs` to `parameters`.
-  bool whole = false;
-  std::vector<at::Tensor> outputs;
-  std::vector<at::Tensor> output_grads;
+  std::vector<torch::autograd::Edge> roots;
+  std::vector<at::Tensor> grads;
+  std::vector<torch::autograd::Edge> parameters;
 };
 
 /// B: the gradients of `inputs` (leaves that require grad) from those of `outputs`, without
@@ -49,6 +41,6 @@ std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& outputs,
                                        WeightWork& work);
 
 /// W: accumulates the parameters' gradients from what backward_input kept, and frees the graph.
-void backward_weight(WeightWork& work, const std::vector<at::Tensor>& parameters);
+void backward_weight(WeightWork& work);
 
 }  // namespace torch_mp::pipeline
