@@ -66,18 +66,16 @@ class DataParallel(nn.Module):
             group = (mesh or get_mesh()).dp_group
         self.module = module
         self.group = group
-        self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
-        self._buffers_stale = False
-        name = group.group_name
-        with torch.no_grad():
-            _C.data_parallel.broadcast_from_first_rank(list(module.parameters()), name)
-            _C.data_parallel.broadcast_from_first_rank(list(module.buffers()), name)
+        # The engine (and the buffer bookkeeping) is the C++ core's GradientSync, which also
+        # copies rank 0's parameters and buffers to every rank here.
         self._sync = _C.data_parallel.GradientSync(
             list(module.parameters()),
-            name,
+            list(module.buffers()),
+            group.group_name,
             bucket_cap_mb,
             gradient_as_bucket_view,
+            broadcast_buffers,
             comm_hook or "none",
         )
 
@@ -97,20 +95,12 @@ class DataParallel(nn.Module):
     def prepare_for_forward(self) -> None:
         """Before a forward (``forward`` calls it): rebuilds the buckets once, in the order the
         first synced backward produced gradients, and broadcasts the buffers when due."""
-        if not torch.is_grad_enabled():
-            return
         self._sync.prepare_for_forward()
-        buffers = list(self.module.buffers())
-        if self._buffers_stale and self.broadcast_buffers and buffers:
-            with torch.no_grad():
-                _C.data_parallel.broadcast_from_first_rank(buffers, self.group.group_name)
-        self._buffers_stale = False
 
     def prepare_for_backward(self) -> None:
         """Arms the reduction for the next backward (``forward`` does it unless under
         :meth:`no_sync`)."""
         self._sync.prepare_for_backward()
-        self._buffers_stale = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

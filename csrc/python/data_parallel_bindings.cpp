@@ -26,34 +26,32 @@ void bind_data_parallel(py::module_& parent) {
   auto m = parent.def_submodule("data_parallel", "Data-parallel gradient synchronisation");
   py::class_<GradientSync>(m, "GradientSync", "Bucketed, overlapped gradient averaging.")
       .def(py::init([](std::vector<at::Tensor> parameters,
+                       std::vector<at::Tensor> buffers,
                        const std::string& group,
                        double bucket_cap_mb,
                        bool gradient_as_bucket_view,
+                       bool broadcast_buffers,
                        const std::string& comm_hook) {
              return std::make_unique<GradientSync>(
                  std::move(parameters),
+                 std::move(buffers),
                  resolve(group),
                  GradientSyncOptions()
                      .bucket_cap_mb(bucket_cap_mb)
                      .gradient_as_bucket_view(gradient_as_bucket_view)
+                     .broadcast_buffers(broadcast_buffers)
                      .comm_hook(parse_comm_hook(comm_hook)));
            }),
            py::arg("parameters"),
+           py::arg("buffers"),
            py::arg("group"),
            py::arg("bucket_cap_mb"),
            py::arg("gradient_as_bucket_view"),
+           py::arg("broadcast_buffers"),
            py::arg("comm_hook"),
            ReleaseGil())
       .def("prepare_for_forward", &GradientSync::prepare_for_forward, ReleaseGil())
       .def("prepare_for_backward", &GradientSync::prepare_for_backward, ReleaseGil());
-  m.def(
-      "broadcast_from_first_rank",
-      [](const std::vector<at::Tensor>& tensors, const std::string& group) {
-        broadcast_from_first_rank(tensors, resolve(group));
-      },
-      py::arg("tensors"),
-      py::arg("group"),
-      ReleaseGil());
 
   // ---- parameter layouts ----
   py::class_<ParameterLayout>(parent, "ParameterLayout", "How a parameter lies on the mesh.")

@@ -12,32 +12,19 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
     options.group(get_mesh()->dp_group);
   }
   register_module("module", module);
-  // Every rank starts from rank 0's parameters and buffers.
-  broadcast_from_first_rank(module->parameters(), options.group());
-  broadcast_from_first_rank(module->buffers(), options.group());
   sync_ =
       std::make_unique<GradientSync>(module->parameters(),
+                                     module->buffers(),
                                      options.group(),
                                      GradientSyncOptions()
                                          .bucket_cap_mb(options.bucket_cap_mb())
                                          .gradient_as_bucket_view(options.gradient_as_bucket_view())
-                                         .comm_hook(options.comm_hook()));
+                                         .comm_hook(options.comm_hook())
+                                         .broadcast_buffers(options.broadcast_buffers()));
 }
 
-void DataParallelImpl::prepare_for_forward() {
-  if (!at::GradMode::is_enabled()) {
-    return;
-  }
-  sync_->prepare_for_forward();
-  if (buffers_stale_ && options.broadcast_buffers() && !module->buffers().empty()) {
-    broadcast_from_first_rank(module->buffers(), options.group());
-  }
-  buffers_stale_ = false;
-}
+void DataParallelImpl::prepare_for_forward() { sync_->prepare_for_forward(); }
 
-void DataParallelImpl::prepare_for_backward() {
-  sync_->prepare_for_backward();
-  buffers_stale_ = true;
-}
+void DataParallelImpl::prepare_for_backward() { sync_->prepare_for_backward(); }
 
 }  // namespace torch_mp::data_parallel

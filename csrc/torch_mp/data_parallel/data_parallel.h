@@ -97,7 +97,6 @@ class DataParallelImpl : public torch::nn::Module {
   torch::nn::AnyModule forward_;
   std::unique_ptr<GradientSync> sync_;
   bool require_backward_grad_sync_ = true;
-  bool buffers_stale_ = false;  // a synced backward ran since the buffers were broadcast
 };
 
 /// Holder of DataParallelImpl.

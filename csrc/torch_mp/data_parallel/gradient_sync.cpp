@@ -54,10 +54,16 @@ CommHook parse_comm_hook(const std::string& name) {
 }
 
 GradientSync::GradientSync(std::vector<at::Tensor> parameters,
+                           std::vector<at::Tensor> buffers,
                            GroupPtr group,
                            GradientSyncOptions options)
-    : group_(std::move(group)) {
+    : buffers_(std::move(buffers)),
+      group_(std::move(group)),
+      broadcast_buffers_(options.broadcast_buffers()) {
   TORCH_CHECK(group_, "DataParallel: no data-parallel group");
+  // Every rank starts from rank 0's parameters and buffers.
+  broadcast_from_first_rank(parameters, group_);
+  broadcast_from_first_rank(buffers_, group_);
   TORCH_CHECK(options.bucket_cap_mb() > 0,
               "DataParallel: bucket_cap_mb must be positive, got ",
               options.bucket_cap_mb());
@@ -107,9 +113,21 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
 
 GradientSync::~GradientSync() = default;
 
-void GradientSync::prepare_for_forward() { reducer_->rebuild_buckets(); }
+void GradientSync::prepare_for_forward() {
+  if (!at::GradMode::is_enabled()) {
+    return;
+  }
+  reducer_->rebuild_buckets();
+  if (buffers_stale_ && broadcast_buffers_ && !buffers_.empty()) {
+    broadcast_from_first_rank(buffers_, group_);
+  }
+  buffers_stale_ = false;
+}
 
-void GradientSync::prepare_for_backward() { reducer_->prepare_for_backward({}); }
+void GradientSync::prepare_for_backward() {
+  reducer_->prepare_for_backward({});
+  buffers_stale_ = true;
+}
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const GroupPtr& group) {
   comm::check_same_tensors_across_ranks(tensors, group, "DataParallel: the tensors to broadcast");

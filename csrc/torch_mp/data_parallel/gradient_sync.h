@@ -41,22 +41,28 @@ struct GradientSyncOptions {
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// Gradient compression for the all-reduce.
   TORCH_ARG(CommHook, comm_hook) = CommHook::kNone;
+  /// Copy rank 0's buffers to every rank before the first forward after each synced backward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
 };
 
 /// Averages the gradients of `parameters` over a data-parallel group, one bucketed all-reduce
-/// per synced backward, overlapped with that backward.
+/// per synced backward, overlapped with that backward, and keeps `buffers` equal to rank 0's.
+/// Both front ends' DataParallel are thin wrappers of it.
 class GradientSync {
  public:
-  /// Raises on every rank if the ranks' parameters differ in number, shape or dtype.
+  /// Copies rank 0's parameters and buffers to every rank. Raises on every rank if the ranks'
+  /// parameters or buffers differ in number, shape or dtype.
   GradientSync(std::vector<at::Tensor> parameters,
+               std::vector<at::Tensor> buffers,
                GroupPtr group,
                GradientSyncOptions options = {});
   ~GradientSync();
   GradientSync(const GradientSync&) = delete;
   GradientSync& operator=(const GradientSync&) = delete;
 
-  /// Call before a forward whose backward will run: rebuilds the buckets once, after the first
-  /// synced backward (every rank of the group does it at the same step).
+  /// Call before a forward (a no-op without autograd): rebuilds the buckets once, after the
+  /// first synced backward (every rank of the group does it at the same step), and broadcasts
+  /// the buffers when a synced backward ran since the last broadcast.
   void prepare_for_forward();
   /// Arms the reduction: the next backward that accumulates into the parameters all-reduces
   /// them. Gradients accumulated by earlier backwards (under no_sync) are included.
@@ -67,7 +73,10 @@ class GradientSync {
 
  private:
   std::vector<at::Tensor> parameters_;
+  std::vector<at::Tensor> buffers_;
   GroupPtr group_;
+  bool broadcast_buffers_;
+  bool buffers_stale_ = false;  // a synced backward ran since the buffers were broadcast
   std::shared_ptr<c10d::Reducer> reducer_;
 };
 
