@@ -33,7 +33,14 @@ from torch_mp import pipeline
 from torch_mp._memory import PeakMemory
 
 NUM_RANKS = 2
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("zb_h1", 1),
+    ("interleaved_zb", 2),
+    ("zbv", 2),
+]
 
 
 def stage_module(width: int, layers: int) -> nn.Module:
@@ -57,20 +64,19 @@ def measure(name: str, per_rank: int, args: argparse.Namespace, mesh) -> tuple[i
     torch.manual_seed(0)
     layers = args.layers // per_rank
     modules = [stage_module(args.width, layers) for _ in range(NUM_RANKS * per_rank)]
-    mine = modules[rank::NUM_RANKS]
-    pipe = pipeline.Pipeline(
-        mine, name, args.microbatches, loss_fn=nn.functional.mse_loss, mesh=mesh
-    )
+    schedule = pipeline.schedule(name, NUM_RANKS * per_rank, args.microbatches, per_rank)
+    mine = [modules[i] for i in schedule.stages_of_rank(rank)]
+    pipe = pipeline.Pipeline(mine, schedule, loss_fn=nn.functional.mse_loss, mesh=mesh)
     batch = torch.randn(args.microbatches * args.rows, args.width)
-    last = (NUM_RANKS * per_rank - 1) % NUM_RANKS
-    step_args = (batch,) if rank == 0 else ()
-    kwargs = {"target": batch} if rank == last else {}
+    first = schedule.rank_of_stage(0) == rank
+    last = schedule.rank_of_stage(schedule.num_stages - 1) == rank
+    step_args = (batch,) if first else ()
+    kwargs = {"target": batch} if last else {}
     pipe.step(*step_args, **kwargs)  # warm-up: the gradients exist from now on
     for module in mine:
         module.zero_grad(set_to_none=True)
     with PeakMemory() as meter:
         pipe.step(*step_args, **kwargs)
-    schedule = pipeline.schedule(name, NUM_RANKS * per_rank, args.microbatches, per_rank)
     live = pipeline.simulate(schedule).peak_live_microbatches[rank]
     per_microbatch = activation_bytes(mine[0], args.rows, args.width)
     grads = sum(p.numel() * p.element_size() for m in mine for p in m.parameters())

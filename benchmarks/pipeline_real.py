@@ -8,7 +8,8 @@ Run (two ranks, one thread each, so two cores are enough)::
 Unlike ``pipeline_overhead.py``, whose stages sleep, here the stages compute (matmuls), so what
 is measured is what a user sees: compute, the library's bookkeeping, Gloo point-to-point and
 the pipeline bubble together. The models (each rank holds the same share of the model in every
-schedule; with interleaved_1f1b, 2 stages per rank, there are 4 stages of half the layers):
+schedule; with interleaved_1f1b, interleaved_zb and zbv, 2 stages per rank, there are 4 stages
+of half the layers):
 
 - ``linear W``: each of the 2 stages is 4 x (``nn.Linear(W, W)`` + ``nn.GELU()``), W = 512 and
   W = 1024; micro-batches of 32 rows, m = 8, fp32;
@@ -26,7 +27,9 @@ no communication, the same numbers of steps) divided by p: perfect pipelining wi
 overhead, and without the cost of micro-batching itself (on one CPU thread, 8 micro-batches of 32
 rows through the linear 512 stack take about 2.5 times one batch of 256), so no schedule reaches
 it. torch.distributed.pipelining has no ZB-H1 class: its ``ScheduleInterleavedZeroBubble``
-with one stage per rank is the ZB1P (= ZB-H1) schedule, so the zb_h1 rows compare against that.
+with one stage per rank is the ZB1P (= ZB-H1) schedule, so the zb_h1 rows compare against that;
+with two stages per rank it is the interleaved zero-bubble schedule. zbv (two stages per rank
+in a V) runs against ``ScheduleZBVZeroBubble``.
 
 The second table reads torch_mp's own traces of its timed steps on rank 1 (the last stage,
 which computes input gradients): the mean durations of F and BW (from the 1f1b run) and of B and
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from pipeline_cases import CASES, Case  # beside this script
+from pipeline_cases import CASES, Case, ends_on_rank  # beside this script
 from torch import nn
 from torch.distributed import pipelining as torch_pipelining
 
@@ -198,16 +201,18 @@ def ideal_seconds(model: Model, steps: int, warmup: int) -> float:
 
 
 def this_rank_stages(model: Model, case: Case, rank: int) -> list[tuple[int, nn.Module]]:
-    """(stage index, fresh module) for the stages rank ``rank`` holds: ``rank, rank + p, ...``."""
+    """(stage index, fresh module) for the stages rank ``rank`` holds (``rank, rank + p, ...``,
+    or ``rank`` and ``2p - 1 - rank`` in zbv's V)."""
     modules = model.stages(NUM_RANKS * case.stages_per_rank)
-    return [(i, modules[i]) for i in range(rank, len(modules), NUM_RANKS)]
+    indices = case.schedule(NUM_RANKS, NUM_MICROBATCHES).stages_of_rank(rank)
+    return [(i, modules[i]) for i in indices]
 
 
 def batch_arguments(case: Case, rank: int, model: Model) -> tuple[tuple, dict]:
     """What this rank passes to ``step``: the batch on the first stage's rank, the target on
     the last stage's."""
-    last_rank = (NUM_RANKS * case.stages_per_rank - 1) % NUM_RANKS
-    return ((model.x,) if rank == 0 else ()), ({"target": model.y} if rank == last_rank else {})
+    first, last = ends_on_rank(case.schedule(NUM_RANKS, NUM_MICROBATCHES), rank)
+    return ((model.x,) if first else ()), ({"target": model.y} if last else {})
 
 
 def time_torch_mp(
@@ -218,7 +223,10 @@ def time_torch_mp(
     rank = dist.get_rank(group)
     modules = [module for _, module in this_rank_stages(model, case, rank)]
     pipe = pipeline.Pipeline(
-        modules, case.name, NUM_MICROBATCHES, loss_fn=nn.functional.mse_loss, group=group
+        modules,
+        case.schedule(NUM_RANKS, NUM_MICROBATCHES),
+        loss_fn=nn.functional.mse_loss,
+        group=group,
     )
     args, kwargs = batch_arguments(case, rank, model)
     durations = []

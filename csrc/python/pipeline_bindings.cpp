@@ -52,14 +52,26 @@ void bind_pipeline(py::module_& parent) {
       .def_readwrite("num_microbatches", &Schedule::num_microbatches)
       .def_readwrite("stages_per_rank", &Schedule::stages_per_rank)
       .def_readwrite("actions", &Schedule::actions)
+      .def_property(
+          "placement",
+          [](const Schedule& s) { return placement_name(s.placement); },
+          [](Schedule& s, const std::string& name) {
+            TORCH_CHECK(name == "loop" || name == "v",
+                        "torch_mp.pipeline: placement must be 'loop' or 'v', got '",
+                        name,
+                        "'");
+            s.placement = name == "v" ? Placement::kV : Placement::kLoop;
+          })
       .def_property_readonly("num_ranks", &Schedule::num_ranks)
       .def("rank_of_stage", &Schedule::rank_of_stage, py::arg("stage"))
+      .def("stages_of_rank", &Schedule::stages_of_rank, py::arg("rank"))
       .def_static("parse", &Schedule::parse, py::arg("text"))
       .def("__str__", &Schedule::to_string)
       .def("__repr__", [](const Schedule& s) {
         return "Schedule(" + s.name + ", num_stages=" + std::to_string(s.num_stages) +
                ", num_microbatches=" + std::to_string(s.num_microbatches) +
-               ", stages_per_rank=" + std::to_string(s.stages_per_rank) + ")";
+               ", stages_per_rank=" + std::to_string(s.stages_per_rank) +
+               (s.placement == Placement::kV ? ", placement=v" : "") + ")";
       });
 
   py::class_<TimedAction>(m, "TimedAction")

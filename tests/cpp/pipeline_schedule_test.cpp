@@ -1,6 +1,7 @@
 // Pipeline schedules (make_schedule, the text form) and their replay (simulate), checked against
 // closed forms: the GPipe/1F1B bubble (p - 1) / (m + p - 1), Megatron's interleaved bubble
-// (p - 1) / (v m + p - 1), the ZB-H1 bound (p - 1) / (3m + p - 1), and hand-computed makespans.
+// (p - 1) / (v m + p - 1), the ZB-H1 bound (p - 1) / (3m + p - 1), the published ZB-V makespan
+// 6m + p - 1, and hand-computed makespans.
 //
 // Sizes: p pipeline ranks, m micro-batches, v stages per rank.
 
@@ -245,6 +246,74 @@ INSTANTIATE_TEST_SUITE_P(Sizes,
                          ::testing::ValuesIn(theory_sizes()),
                          size_name);
 
+// ---- ZB-V and interleaved zero-bubble ---------------------------------------------------------
+
+/// p in {2, 4}, m in {2p - 1, 2p, 4p}: ZB-V's pattern needs 2p - 1 micro-batches to fill.
+std::vector<PipelineSize> zbv_sizes() {
+  std::vector<PipelineSize> sizes;
+  for (int64_t p : {2, 4}) {
+    for (int64_t m : {2 * p - 1, 2 * p, 4 * p}) {
+      sizes.push_back({p, m});
+    }
+  }
+  return sizes;
+}
+
+class ZeroBubbleVSimulation : public ::testing::TestWithParam<PipelineSize> {};
+
+TEST_P(ZeroBubbleVSimulation, MakespanIsSixMPlusPMinusOneThePublishedZbv) {
+  // Two stages per rank, F = B = W = 1 per stage: 6m of work per rank, and the only wait is the
+  // last rank's start-up (p - 1 stage forwards) as in the paper's ZB-V.
+  const auto [p, m] = GetParam();
+  const auto result = simulate(make_schedule("zbv", 2 * p, m, 2), unit_split_costs());
+  EXPECT_NEAR(result.makespan, double(6 * m + p - 1), kTolerance);
+}
+
+TEST_P(ZeroBubbleVSimulation, EveryRankHoldsAtMostOneFOneBsPeak) {
+  // 2p stage activations = p micro-batches of a rank's (two-stage) layers, 1F1B's rank 0 peak.
+  const auto [p, m] = GetParam();
+  const auto result = simulate(make_schedule("zbv", 2 * p, m, 2), unit_split_costs());
+  for (int64_t r = 0; r < p; ++r) {
+    EXPECT_LE(result.peak_live_microbatches[r], 2 * p) << "rank " << r;
+  }
+  EXPECT_EQ(result.peak_live_microbatches[0], 2 * p);
+}
+
+TEST_P(ZeroBubbleVSimulation, IsFasterThanZbH1AndOneFOneBWithTheSameLayers) {
+  // The same model: 2p stages on p ranks (ZBV) against p stages of twice the layers (cost 2).
+  const auto [p, m] = GetParam();
+  CostModel whole_rank;
+  whole_rank.forward = whole_rank.backward = 2.0;
+  whole_rank.weight = 2.0;
+  const double zbv = simulate(make_schedule("zbv", 2 * p, m, 2), unit_split_costs()).makespan;
+  EXPECT_LT(zbv, simulate(make_schedule("zb_h1", p, m), whole_rank).makespan);
+  EXPECT_LT(zbv, simulate(make_schedule("1f1b", p, m), whole_rank).makespan);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ZeroBubbleVSimulation, ::testing::ValuesIn(zbv_sizes()), size_name);
+
+class InterleavedZeroBubbleSimulation : public ::testing::TestWithParam<PipelineSize> {};
+
+TEST_P(InterleavedZeroBubbleSimulation, MakespanIsThreeVMPlusPMinusOne) {
+  const auto [p, m] = GetParam();
+  for (int64_t v : {2, 3}) {
+    const auto result = simulate(make_schedule("interleaved_zb", p * v, m, v), unit_split_costs());
+    EXPECT_NEAR(result.makespan, double(3 * v * m + p - 1), kTolerance) << "v " << v;
+  }
+}
+
+TEST_P(InterleavedZeroBubbleSimulation, HoldsNoMoreThanInterleavedOneFOneB) {
+  const auto [p, m] = GetParam();
+  const auto zero_bubble = simulate(make_schedule("interleaved_zb", 2 * p, m, 2));
+  const auto interleaved = simulate(make_schedule("interleaved_1f1b", 2 * p, m, 2));
+  EXPECT_EQ(zero_bubble.peak_live_microbatches, interleaved.peak_live_microbatches);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes,
+                         InterleavedZeroBubbleSimulation,
+                         ::testing::ValuesIn(theory_sizes()),
+                         size_name);
+
 // ---- Structure of every generated schedule ---------------------------------------------------
 
 /// A generator call: name, p ranks, m micro-batches, v stages per rank.
@@ -265,7 +334,7 @@ std::string schedule_case_name(const ::testing::TestParamInfo<ScheduleCase>& inf
 }
 
 /// Every generator at sizes from one rank up, with fewer, as many and more micro-batches than
-/// ranks (interleaved: multiples of p only).
+/// ranks (interleaved: multiples of p only; zbv: also fewer than its 2p - 1 warm-up).
 std::vector<ScheduleCase> all_schedule_cases() {
   std::vector<ScheduleCase> cases;
   for (int64_t p : {1, 2, 3, 4}) {
@@ -277,7 +346,11 @@ std::vector<ScheduleCase> all_schedule_cases() {
     for (int64_t v : {2, 3}) {
       for (int64_t m : {p, 2 * p, 3 * p}) {
         cases.push_back({"interleaved_1f1b", p, m, v});
+        cases.push_back({"interleaved_zb", p, m, v});
       }
+    }
+    for (int64_t m : std::set<int64_t>{1, 2, p, 2 * p - 1, 2 * p + 1, 4 * p}) {
+      cases.push_back({"zbv", p, m, 2});
     }
   }
   return cases;
@@ -340,7 +413,7 @@ TEST_P(ScheduleStructure, EveryActionSitsOnTheRankOfItsStage) {
   const Schedule s = generate();
   for (int64_t r = 0; r < s.num_ranks(); ++r) {
     for (const Action& a : s.actions[r]) {
-      EXPECT_EQ(a.stage % c.p, r) << a.to_string() << " on rank " << r;
+      EXPECT_EQ(s.rank_of_stage(a.stage), r) << a.to_string() << " on rank " << r;
     }
   }
 }
@@ -354,13 +427,13 @@ TEST_P(ScheduleStructure, EverySendHasItsReceiveOnTheNeighboursRank) {
       if (a.kind == ActionKind::kSendForward) {
         // SEND_F(s,m) feeds RECV_F(s+1,m), which lives on another rank.
         EXPECT_LT(a.stage + 1, c.p * c.v) << a.to_string();
-        EXPECT_NE((a.stage + 1) % c.p, r) << a.to_string() << " sends to its own rank";
+        EXPECT_NE(s.rank_of_stage(a.stage + 1), r) << a.to_string() << " sends to its own rank";
         EXPECT_EQ((n[{ActionKind::kRecvForward, a.stage + 1, a.microbatch}]), 1)
             << a.to_string() << " on rank " << r;
       } else if (a.kind == ActionKind::kSendBackward) {
         // SEND_B(s,m) feeds RECV_B(s-1,m).
         EXPECT_GE(a.stage - 1, 0) << a.to_string();
-        EXPECT_NE((a.stage - 1 + c.p) % c.p, r) << a.to_string() << " sends to its own rank";
+        EXPECT_NE(s.rank_of_stage(a.stage - 1), r) << a.to_string() << " sends to its own rank";
         EXPECT_EQ((n[{ActionKind::kRecvBackward, a.stage - 1, a.microbatch}]), 1)
             << a.to_string() << " on rank " << r;
       }
@@ -390,7 +463,7 @@ TEST_P(ScheduleStructure, EveryBoundaryBetweenRanksIsSentBothWays) {
   const Schedule s = generate();
   auto n = counts(s);
   for (int64_t stage = 0; stage + 1 < c.p * c.v; ++stage) {
-    if (stage % c.p == (stage + 1) % c.p) continue;
+    if (s.rank_of_stage(stage) == s.rank_of_stage(stage + 1)) continue;
     for (int64_t mb = 0; mb < c.m; ++mb) {
       EXPECT_EQ((n[{ActionKind::kSendForward, stage, mb}]), 1) << "stage " << stage << " mb " << mb;
       EXPECT_EQ((n[{ActionKind::kSendBackward, stage + 1, mb}]), 1)
@@ -417,7 +490,29 @@ TEST_P(ScheduleStructure, TextFormRoundTripsThroughParse) {
   EXPECT_EQ(parsed.num_stages, s.num_stages);
   EXPECT_EQ(parsed.num_microbatches, s.num_microbatches);
   EXPECT_EQ(parsed.stages_per_rank, s.stages_per_rank);
+  EXPECT_EQ(parsed.placement, s.placement);
   EXPECT_EQ(parsed.actions, s.actions);
+}
+
+TEST_P(ScheduleStructure, RunsUnderNcclOnceMadeSafe) {
+  const Schedule safe = make_nccl_safe(generate());
+  EXPECT_NO_THROW(simulate(safe, unit_split_costs(), CommSemantics::kNccl));
+}
+
+TEST_P(ScheduleStructure, StagesOfRankAndRankOfStageAgree) {
+  const auto& c = GetParam();
+  const Schedule s = generate();
+  std::set<int64_t> seen;
+  for (int64_t r = 0; r < c.p; ++r) {
+    const auto stages = s.stages_of_rank(r);
+    ASSERT_EQ(static_cast<int64_t>(stages.size()), c.v);
+    for (size_t i = 0; i < stages.size(); ++i) {
+      EXPECT_EQ(s.rank_of_stage(stages[i]), r);
+      EXPECT_EQ(stages[i] / c.p, static_cast<int64_t>(i)) << "local stage i is chunk i";
+      seen.insert(stages[i]);
+    }
+  }
+  EXPECT_EQ(static_cast<int64_t>(seen.size()), c.p * c.v);
 }
 
 INSTANTIATE_TEST_SUITE_P(Generators,
@@ -532,6 +627,27 @@ TEST(MakeScheduleErrors, RejectsSeveralStagesPerRankForOneStageSchedules) {
   }
 }
 
+TEST(MakeScheduleErrors, RejectsZbvWithoutTwoStagesPerRank) {
+  for (int64_t v : {1, 3}) {
+    const auto error = error_of([&] { make_schedule("zbv", 2 * v, 4, v); });
+    EXPECT_TRUE(mentions(error, "zbv runs two stages per rank")) << "v " << v;
+  }
+  const auto error = error_of([] { make_schedule("interleaved_zb", 2, 4, 1); });
+  EXPECT_TRUE(mentions(error, "interleaved_zb needs stages_per_rank >= 2 (got 1); use zb_h1"));
+}
+
+TEST(SchedulePlacement, VPutsTheFirstAndLastStageOnRankZero) {
+  const Schedule s = make_schedule("zbv", 8, 8, 2);
+  EXPECT_EQ(s.placement, Placement::kV);
+  EXPECT_EQ(s.stages_of_rank(0), (std::vector<int64_t>{0, 7}));
+  EXPECT_EQ(s.stages_of_rank(3), (std::vector<int64_t>{3, 4}));
+  EXPECT_TRUE(mentions(s.to_string(), "placement=v"));
+  // Stages 3 and 4 share rank 3: nothing is sent between them.
+  for (const Action& a : s.actions[3]) {
+    EXPECT_FALSE(a.kind == ActionKind::kSendForward && a.stage == 3) << a.to_string();
+  }
+}
+
 TEST(MakeScheduleErrors, RejectsStagesNotDivisibleByStagesPerRank) {
   const auto error = error_of([] { make_schedule("interleaved_1f1b", 5, 4, 2); });
   EXPECT_TRUE(mentions(error, "num_stages (5) must be divisible by stages_per_rank (2)"));
@@ -547,7 +663,8 @@ TEST(MakeScheduleErrors, RejectsNonPositiveSizes) {
 
 TEST(MakeScheduleErrors, ScheduleNamesListsEveryGenerator) {
   EXPECT_EQ(schedule_names(),
-            (std::vector<std::string>{"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"}));
+            (std::vector<std::string>{
+                "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "zbv"}));
 }
 
 // ---- simulate's errors -----------------------------------------------------------------------

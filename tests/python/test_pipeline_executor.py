@@ -34,20 +34,23 @@ def _step_matches_reference(
     expected_loss = nn.functional.mse_loss(reference(x), y)
     expected_loss.backward()
 
-    mine = stages[rank::p]
-    pipe = pipeline.Pipeline(mine, name, m, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    schedule = pipeline.schedule(name, p * stages_per_rank, m, stages_per_rank)
+    indices = schedule.stages_of_rank(rank)
+    mine = [stages[i] for i in indices]
+    first, last = 0 in indices, len(stages) - 1 in indices  # zbv: rank 0 holds both
+    pipe = pipeline.Pipeline(mine, schedule, loss_fn=nn.functional.mse_loss, mesh=mesh)
     # Ranks without the first stage pass None (or nothing at all, as the other tests do).
     for _ in range(steps):  # gradients accumulate over steps, as in the reference's
-        loss = pipe.step(x if rank == 0 else None, target=y if rank == p - 1 else None)
+        loss = pipe.step(x if first else None, target=y if last else None)
     if steps > 1:
         for param in reference.parameters():
             param.grad *= steps
 
-    if rank == p - 1:
+    if last:
         assert_close(loss, expected_loss.detach(), "loss")
     else:
         assert loss is None
-    for index, stage in zip(range(rank, len(stages), p), mine, strict=True):
+    for index, stage in zip(indices, mine, strict=True):
         for (name_, param), ref in zip(
             stage.named_parameters(), reference[index].parameters(), strict=True
         ):
@@ -56,7 +59,14 @@ def _step_matches_reference(
 
 @pytest.mark.parametrize(
     "name,stages_per_rank",
-    [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)],
+    [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("interleaved_1f1b", 2),
+        ("zb_h1", 1),
+        ("interleaved_zb", 2),
+        ("zbv", 2),
+    ],
 )
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_step_matches_one_process_reference(name, stages_per_rank, world_size, request):
@@ -84,9 +94,9 @@ def test_the_nccl_safe_order_runs_exactly(world2):
     world2.run(_nccl_safe_interleaved_matches_reference)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
-def test_gradients_accumulate_over_steps(name, world2):
-    world2.run(_step_matches_reference, name, 1, 2, 2)
+@pytest.mark.parametrize("name,stages_per_rank", [("1f1b", 1), ("zb_h1", 1), ("zbv", 2)])
+def test_gradients_accumulate_over_steps(name, stages_per_rank, world2):
+    world2.run(_step_matches_reference, name, stages_per_rank, 2, 2)
 
 
 class _Split(nn.Module):
@@ -125,6 +135,57 @@ def _two_tensors_between_stages() -> None:
 
 def test_several_tensors_pass_between_stages(world2):
     world2.run(_two_tensors_between_stages)
+
+
+class _WithPositions(nn.Module):
+    """Passes an integer tensor beside the activations (one message, two dtypes)."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, positions=None):
+        if self.first:
+            positions = torch.arange(x.shape[0]).unsqueeze(1).expand(-1, 3)
+            return torch.tanh(self.linear(x)), positions
+        return self.linear(x) * positions[:, :1].to(x.dtype)
+
+
+def _shapes_that_change_between_steps() -> None:
+    # Channels remember the last layout; a new batch size must still arrive whole and exact,
+    # in training and in evaluation, for every schedule's message pattern.
+    rank = dist.get_rank()
+    mesh = use_mesh(1, pp=2)
+    torch.manual_seed(0)
+    stages = [_WithPositions(True), _WithPositions(False)]
+    reference = copy.deepcopy(stages)
+    pipe = pipeline.Pipeline(stages[rank], "zb_h1", 2, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    for seed, rows in [(7, 8), (8, 8), (9, 12), (10, 4)]:
+        x, y = rank_tensor(seed, 0, rows, WIDTH), rank_tensor(seed + 1, 0, rows, WIDTH)
+        for module in (*stages, *reference):
+            module.zero_grad()
+        loss = sum(
+            nn.functional.mse_loss(reference[1](*reference[0](xm)), ym)
+            for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True)
+        )
+        (loss / 2).backward()
+        got = pipe.step(*([x] if rank == 0 else []), target=y if rank == 1 else None)
+        if rank == 1:
+            assert_close(got, loss.detach() / 2, f"loss, {rows} rows")
+        for param, ref in zip(stages[rank].parameters(), reference[rank].parameters(), strict=True):
+            assert_close(param.grad, ref.grad, f"gradient, {rows} rows")
+        out = pipe.eval_step(*([x[: rows // 2]] if rank == 0 else []))
+        if rank == 1:
+            with torch.no_grad():
+                expected = torch.cat(
+                    [reference[1](*reference[0](xm)) for xm in x[: rows // 2].chunk(2)]
+                )
+            assert_close(out, expected, f"eval output, {rows // 2} rows")
+
+
+def test_shapes_and_dtypes_that_change_between_steps_arrive_exactly(world2):
+    world2.run(_shapes_that_change_between_steps)
 
 
 def _eval_step() -> None:

@@ -199,7 +199,15 @@ def test_make_nccl_safe_mends_interleaved_on_two_ranks(m):
 
 
 @pytest.mark.parametrize(
-    "name,spr", [("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2)]
+    "name,spr",
+    [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("zb_h1", 1),
+        ("interleaved_1f1b", 2),
+        ("interleaved_zb", 2),
+        ("zbv", 2),
+    ],
 )
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_generated_schedule_is_nccl_safe_after_make_nccl_safe(name, spr, p):
@@ -229,3 +237,28 @@ def test_messages_received_out_of_order_are_refused_under_nccl():
     misrouted = r"SEND_F\(0,0\) .* would land in rank 1's RECV_F\(1,1\)"
     with pytest.raises(RuntimeError, match=misrouted):
         pipeline.simulate(schedule, comm_semantics="nccl")
+
+
+def test_zbv_messages_between_two_ranks_are_reordered_for_nccl():
+    # Rank 0 sends stage 0's activations and stage 3's gradients to rank 1, which would receive
+    # them in another order: the receive each message is meant for moves ahead.
+    schedule = pipeline.schedule("zbv", 4, 4, 2)
+    with pytest.raises(RuntimeError, match="would land in rank 1's"):
+        pipeline.simulate(schedule, comm_semantics="nccl")
+    safe = pipeline.make_nccl_safe(schedule)
+    assert pipeline.simulate(safe, comm_semantics="nccl").makespan == pytest.approx(
+        pipeline.simulate(schedule).makespan
+    )
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_zbv_matches_the_published_zero_bubble_v(p):
+    m = 4 * p
+    schedule = pipeline.schedule("zbv", 2 * p, m, 2)
+    assert schedule.placement == "v"
+    assert schedule.stages_of_rank(0) == [0, 2 * p - 1]
+    result = pipeline.simulate(schedule, forward=1.0, backward=1.0, weight=1.0)
+    assert result.makespan == 6 * m + p - 1  # only the last rank's start-up wait
+    assert max(result.peak_live_microbatches) == 2 * p  # 1F1B's p micro-batches of a rank
+    again = pipeline.load_schedule(str(schedule))
+    assert again.placement == "v" and again.actions == schedule.actions

@@ -41,7 +41,9 @@ class Pipeline:
 
     Args:
         stage_modules: This rank's stage, or its stages in increasing order for schedules with
-            several stages per rank (rank ``r`` of ``p`` holds stages ``r, r + p, ...``). A stage
+            several stages per rank: ``schedule.stages_of_rank(r)`` (stages ``r, r + p, ...``
+            of ``p`` ranks, or ``r`` and ``2p - 1 - r`` for ``"zbv"``, whose V puts the first
+            and the last stage on rank 0). A stage
             takes and returns a tensor or a tuple of tensors. A stage wrapped in
             :class:`torch_mp.DataParallel` or ``DistributedDataParallel`` (over
             ``mesh.dp_group``) has its gradients averaged over the data group once per step,

@@ -24,10 +24,13 @@ def schedule(
 
     Args:
         name: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` (``stages_per_rank >= 2``,
-            ``num_microbatches`` divisible by the number of ranks) or ``"zb_h1"`` (zero bubble:
-            backward split into input-gradient B and weight-gradient W).
+            ``num_microbatches`` divisible by the number of ranks), ``"zb_h1"`` (zero bubble:
+            backward split into input-gradient B and weight-gradient W, W filling the waits),
+            ``"interleaved_zb"`` (the same over interleaved 1F1B) or ``"zbv"`` (zero-bubble V:
+            two stages per rank, rank ``r`` holding ``r`` and ``2p - 1 - r``).
         num_stages: Total number of stages; there are ``num_stages // stages_per_rank`` pipeline
-            ranks, and stage ``s`` lives on rank ``s % ranks``.
+            ranks. Stage ``s`` lives on rank ``s % ranks`` except in ``"zbv"``'s V
+            (``schedule.placement == "v"``); ``schedule.stages_of_rank(r)`` lists them.
         num_microbatches: Micro-batches per step.
         stages_per_rank: Stages (virtual stages) each rank holds.
 
@@ -52,13 +55,22 @@ def load_schedule(path_or_text: str | os.PathLike) -> Schedule:
 
 
 def make_nccl_safe(schedule: Schedule) -> Schedule:
-    """``schedule`` with sends moved later where NCCL's rules would deadlock.
+    """``schedule`` reordered where NCCL's rules would deadlock or misdeliver.
 
-    While a replay under ``simulate(..., comm_semantics="nccl")`` gets stuck on a stream held by
-    a lone send, that send moves past its rank's next computation, into the next group of sends
-    and receives. Delaying a send is always valid (its tensors are ready and kept). Every
-    generated schedule passes unchanged except ``interleaved_1f1b`` on two ranks, whose makespan
-    the moves leave as it was.
+    Under ``simulate(..., comm_semantics="nccl")`` (tags ignored: messages between two ranks
+    arrive in the order they are sent; a send completes only with its receive; a rank's
+    operations to one peer run in order):
+
+    - where a message would land in a receive meant for another (two ranks exchanging the
+      messages of two stage boundaries, as ``"interleaved_zb"`` and ``"zbv"`` do), the receive
+      it is meant for is posted just before;
+    - while a replay gets stuck on a stream held by a lone send, that send moves past its
+      rank's next computation, into the next group of sends and receives.
+
+    Both moves are always valid (received data and sent tensors are kept until used). gpipe,
+    1f1b, zb_h1 and interleaved_1f1b on 3 or more ranks pass unchanged. With unit costs the
+    moved schedules keep their makespan on two ranks; on four, NCCL's in-order streams cost
+    zbv 13 % and interleaved_zb 16 % at m = 4p (99 -> 112 and 115 units).
 
     Raises:
         RuntimeError: If a deadlock remains that no such move resolves.

@@ -149,18 +149,33 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
 
 Stage& Executor::local(int64_t stage) { return stages_[stage / schedule_.num_ranks()]; }
 
-int Executor::tag(ActionKind kind, int64_t stage, int64_t microbatch) const {
+int64_t Executor::message_of(const Action& a) const {
   // A message is named by its sender: SEND_F(s) <-> RECV_F(s + 1), SEND_B(s) <-> RECV_B(s - 1).
-  const bool forward = kind == ActionKind::kSendForward || kind == ActionKind::kRecvForward;
-  const int64_t sender = kind == ActionKind::kRecvForward    ? stage - 1
-                         : kind == ActionKind::kRecvBackward ? stage + 1
-                                                             : stage;
+  const bool forward = a.kind == ActionKind::kSendForward || a.kind == ActionKind::kRecvForward;
+  const int64_t sender = a.kind == ActionKind::kRecvForward    ? a.stage - 1
+                         : a.kind == ActionKind::kRecvBackward ? a.stage + 1
+                                                               : a.stage;
+  return ((forward ? 0 : 1) * schedule_.num_stages + sender) * schedule_.num_microbatches +
+         a.microbatch;
+}
+
+int Executor::tag(int64_t message) const {
   const int64_t messages = 2 * schedule_.num_stages * schedule_.num_microbatches;
-  const int64_t index =
-      ((forward ? 0 : 1) * schedule_.num_stages + sender) * schedule_.num_microbatches + microbatch;
   const int64_t epochs = std::max<int64_t>(1, kMaxTag / kTagsPerMessage / messages);
   const int64_t epoch = (pipeline_id_ * 1000003 + steps_run_) % epochs;
-  return static_cast<int>((epoch * messages + index) * kTagsPerMessage);
+  return static_cast<int>((epoch * messages + message) * kTagsPerMessage);
+}
+
+void Executor::post(const std::vector<Action>& actions, size_t index) {
+  const Action& a = actions[index];
+  const int64_t sender = a.kind == ActionKind::kRecvForward ? a.stage - 1 : a.stage + 1;
+  const int64_t message = message_of(a);
+  posted_recvs_.emplace(index,
+                        post_recv(static_cast<int>(schedule_.rank_of_stage(sender)),
+                                  tag(message),
+                                  group_,
+                                  device_,
+                                  recv_channels_[message]));
 }
 
 std::string Executor::where(const Action& a) const {
@@ -407,18 +422,21 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
   broken_ = true;  // until this step completes
   ++steps_run_;
   sync_armed_.assign(stages_.size(), false);
-  // Every receive of the step is posted now: its metadata may arrive while this rank computes.
   posted_recvs_.clear();
-  for (size_t index = 0; index < actions.size(); ++index) {
-    const Action& a = actions[index];
-    if (a.kind == ActionKind::kRecvForward || a.kind == ActionKind::kRecvBackward) {
-      const int64_t sender = a.kind == ActionKind::kRecvForward ? a.stage - 1 : a.stage + 1;
-      posted_recvs_.emplace(index,
-                            post_recv(static_cast<int>(schedule_.rank_of_stage(sender)),
-                                      tag(a.kind, a.stage, a.microbatch),
-                                      group_,
-                                      device_));
+  next_recv_ = 0;
+  auto is_recv = [](const Action& a) {
+    return a.kind == ActionKind::kRecvForward || a.kind == ActionKind::kRecvBackward;
+  };
+  auto post_next = [&] {
+    while (next_recv_ < actions.size() && !is_recv(actions[next_recv_])) {
+      ++next_recv_;
     }
+    if (next_recv_ < actions.size()) {
+      post(actions, next_recv_++);
+    }
+  };
+  for (size_t i = 0; i < kRecvsAhead; ++i) {
+    post_next();
   }
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -430,9 +448,14 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
     switch (a.kind) {
       case ActionKind::kRecvForward:
       case ActionKind::kRecvBackward: {
-        auto received = finish_recv(
-            posted_recvs_.at(index), group_, device_, {pipeline_id_, steps_run_}, where(a));
+        auto received = finish_recv(posted_recvs_.at(index),
+                                    group_,
+                                    device_,
+                                    {pipeline_id_, steps_run_},
+                                    where(a),
+                                    recv_channels_[message_of(a)]);
         posted_recvs_.erase(index);
+        post_next();
         if (a.kind == ActionKind::kRecvForward) {
           slot.inputs = as_stage_inputs(received, train);
         } else {
@@ -446,9 +469,10 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
         auto works =
             send_tensors(fwd ? slot.outputs : slot.input_grads,
                          static_cast<int>(schedule_.rank_of_stage(a.stage + (fwd ? 1 : -1))),
-                         tag(a.kind, a.stage, a.microbatch),
+                         tag(message_of(a)),
                          group_,
-                         {pipeline_id_, steps_run_});
+                         {pipeline_id_, steps_run_},
+                         send_channels_[message_of(a)]);
         pending_sends_.insert(pending_sends_.end(), works.begin(), works.end());
         if (!fwd) {
           slot.input_grads.clear();  // the pending work holds what it still needs

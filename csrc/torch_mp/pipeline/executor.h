@@ -110,7 +110,12 @@ class Executor {
                       const Action& a,
                       const char* what) const;
   std::vector<at::Tensor> gradients_for(const Action& a, Slot& slot);
-  int tag(ActionKind kind, int64_t stage, int64_t microbatch) const;
+  // The message an action sends or receives, numbered alike on both ends (its channel), and
+  // the first of its tags in the running step.
+  int64_t message_of(const Action& a) const;
+  int tag(int64_t message) const;
+  // Posts the receive at `index` of `actions`.
+  void post(const std::vector<Action>& actions, size_t index);
   std::string where(const Action& a) const;
   Stage& local(int64_t stage);
 
@@ -126,8 +131,15 @@ class Executor {
   at::Device device_ = at::kCPU;
   std::map<std::pair<int64_t, int64_t>, Slot> slots_;
   std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends_;
-  // This step's receives, posted ahead at its start, by index in the action list.
+  // This step's receives posted ahead, by index in the action list: kRecvsAhead at a time, the
+  // next one posted as one is finished (so that data can arrive while the rank computes,
+  // without allocating every receive of the step at its start).
+  static constexpr size_t kRecvsAhead = 2;
   std::map<size_t, PendingRecv> posted_recvs_;
+  size_t next_recv_ = 0;  // index in the action list of the next receive to post
+  // What each end last passed through each message's channel (p2p.h), by message_of.
+  std::map<int64_t, Channel> send_channels_;
+  std::map<int64_t, Channel> recv_channels_;
   std::vector<at::Tensor> losses_;
   std::vector<TimedAction> trace_;
   // Per local stage: the index in this rank's action list of its last BW, B and W, and whether

@@ -70,21 +70,23 @@ void NcclStreams::progress() {
       }
       Op& send = ops_[sends[next_send]];
       Op& recv = ops_[recvs->second[next_recv]];
-      TORCH_CHECK(expected_send(recv.action) == send.action,
-                  "torch_mp.pipeline: under NCCL (tags ignored, messages matched in order) rank ",
-                  send.rank,
-                  "'s ",
-                  send.action.to_string(),
-                  " (step ",
-                  send.index,
-                  ") would land in rank ",
-                  recv.rank,
-                  "'s ",
-                  recv.action.to_string(),
-                  " (step ",
-                  recv.index,
-                  "), which expects ",
-                  expected_send(recv.action).to_string());
+      if (!(expected_send(recv.action) == send.action)) {
+        if (!misrouted_) {
+          std::ostringstream message;
+          message << "torch_mp.pipeline: under NCCL (tags ignored, messages matched in order) rank "
+                  << send.rank << "'s " << send.action.to_string() << " (step " << send.index
+                  << ") would land in rank " << recv.rank << "'s " << recv.action.to_string()
+                  << " (step " << recv.index << "), which expects "
+                  << expected_send(recv.action).to_string();
+          const Action& a = send.action;
+          const Action meant_for =
+              a.kind == ActionKind::kSendForward
+                  ? Action{ActionKind::kRecvForward, a.stage + 1, a.microbatch}
+                  : Action{ActionKind::kRecvBackward, a.stage - 1, a.microbatch};
+          misrouted_ = Misrouted{recv.rank, recv.index, meant_for, message.str()};
+        }
+        continue;
+      }
       if (!startable(send) || !startable(recv)) {
         continue;
       }

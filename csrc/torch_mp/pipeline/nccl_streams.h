@@ -29,9 +29,18 @@ class NcclStreams {
   /// Posts rank `rank`'s SEND/RECV at `index` of its list at time `time`, in group `group`
   /// (operations of one rank posted with the same group id start together).
   void post(int64_t rank, size_t index, const Action& action, double time, int64_t group);
-  /// Matches every pair of posted operations that can complete. Raises if a send would land in
-  /// a receive meant for another message.
+  /// Matches every pair of posted operations that can complete. A send that would land in a
+  /// receive meant for another message is not matched; `misrouted` reports it.
   void progress();
+  /// The first send found heading for a receive meant for another message, as (receiving rank,
+  /// index of that receive, the receive the send is meant for); nullopt if none.
+  struct Misrouted {
+    int64_t rank;
+    size_t index;
+    Action meant_for;
+    std::string message;
+  };
+  const std::optional<Misrouted>& misrouted() const { return misrouted_; }
   /// When rank `rank`'s operation at `index` completed, or nullopt if it has not.
   std::optional<double> completed(int64_t rank, size_t index) const;
   /// One line per stream that still holds operations: what blocks it (for deadlock reports).
@@ -61,6 +70,7 @@ class NcclStreams {
   std::map<std::pair<int64_t, size_t>, size_t> by_action_;  // (rank, index) -> op
   std::map<Stream, std::vector<size_t>> sends_, recvs_;     // per direction (src, dst)
   std::map<Stream, size_t> next_send_, next_recv_;          // first unmatched
+  std::optional<Misrouted> misrouted_;
 };
 
 }  // namespace torch_mp::pipeline

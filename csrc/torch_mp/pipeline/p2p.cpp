@@ -11,42 +11,43 @@ namespace {
 constexpr int64_t kMaxDims = 8;
 constexpr int64_t kMetadataLength = 3 + kMaxTensorsPerMessage * (2 + kMaxDims);
 
-at::Tensor encode(const std::vector<at::Tensor>& tensors, MessageStamp stamp) {
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) <= kMaxTensorsPerMessage,
-              "torch_mp.pipeline: a stage passes ",
-              tensors.size(),
-              " tensors to the next; at most ",
-              kMaxTensorsPerMessage,
-              " are supported");
+// Data message: a header of kHeaderBytes (int64: pipeline, step, flag), then the tensors, each
+// starting at a multiple of kAlign bytes.
+constexpr int64_t kAlign = 64;
+constexpr int64_t kHeaderBytes = kAlign;
+enum Flag : int64_t {
+  kData = 1,     // the tensors follow, in the layout the channel last passed
+  kChanged = 2,  // the layout changed: metadata (tag) and data (tag + 2) follow
+};
+
+int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+int64_t nbytes(at::ScalarType dtype, const std::vector<int64_t>& shape) {
+  int64_t numel = 1;
+  for (int64_t size : shape) {
+    numel *= size;
+  }
+  return numel * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+at::Tensor encode(const MessageLayout& layout, MessageStamp stamp) {
   auto metadata = at::zeros({kMetadataLength}, at::kLong);
   auto* out = metadata.data_ptr<int64_t>();
   int64_t i = 0;
   out[i++] = stamp.pipeline;
   out[i++] = stamp.step;
-  out[i++] = static_cast<int64_t>(tensors.size());
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.dim() <= kMaxDims,
-                "torch_mp.pipeline: tensors passed between stages have at most ",
-                kMaxDims,
-                " dims, got ",
-                t.dim());
-    out[i++] = static_cast<int64_t>(t.scalar_type());
-    out[i++] = t.dim();
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      out[i++] = t.size(d);
+  out[i++] = static_cast<int64_t>(layout.dtypes.size());
+  for (size_t n = 0; n < layout.dtypes.size(); ++n) {
+    out[i++] = static_cast<int64_t>(layout.dtypes[n]);
+    out[i++] = static_cast<int64_t>(layout.shapes[n].size());
+    for (int64_t size : layout.shapes[n]) {
+      out[i++] = size;
     }
   }
   return metadata;
 }
 
-std::vector<at::Tensor> allocate(const at::Tensor& metadata,
-                                 at::Device device,
-                                 MessageStamp expected,
-                                 const std::string& what) {
-  const auto* in = metadata.data_ptr<int64_t>();
-  int64_t i = 0;
-  const MessageStamp got{in[0], in[1]};
-  i = 2;
+void check_stamp(MessageStamp got, MessageStamp expected, const std::string& what) {
   TORCH_CHECK(got.pipeline == expected.pipeline && got.step == expected.step,
               "torch_mp.pipeline: ",
               what,
@@ -59,45 +60,150 @@ std::vector<at::Tensor> allocate(const at::Tensor& metadata,
               " of pipeline ",
               expected.pipeline,
               " (a message left over from another step); refused");
+}
+
+MessageLayout decode(const at::Tensor& metadata, MessageStamp expected, const std::string& what) {
+  const auto* in = metadata.data_ptr<int64_t>();
+  check_stamp({in[0], in[1]}, expected, what);
+  int64_t i = 2;
   const int64_t count = in[i++];
   TORCH_CHECK(count >= 0 && count <= kMaxTensorsPerMessage,
               "torch_mp.pipeline: received malformed tensor metadata (count ",
               count,
               ")");
-  std::vector<at::Tensor> tensors;
+  MessageLayout layout;
   for (int64_t n = 0; n < count; ++n) {
-    const auto dtype = static_cast<at::ScalarType>(in[i++]);
+    const int64_t dtype = in[i++];
     const int64_t ndim = in[i++];
-    TORCH_CHECK(ndim >= 0 && ndim <= kMaxDims, "torch_mp.pipeline: malformed tensor metadata");
-    std::vector<int64_t> shape(in + i, in + i + ndim);
+    TORCH_CHECK(dtype >= 0 && dtype < static_cast<int64_t>(at::ScalarType::NumOptions) &&
+                    ndim >= 0 && ndim <= kMaxDims,
+                "torch_mp.pipeline: malformed tensor metadata");
+    layout.dtypes.push_back(static_cast<at::ScalarType>(dtype));
+    layout.shapes.emplace_back(in + i, in + i + ndim);
     i += ndim;
-    tensors.push_back(at::empty(shape, at::TensorOptions().dtype(dtype).device(device)));
+  }
+  return layout;
+}
+
+// Header of a data message.
+struct Header {
+  MessageStamp stamp;
+  int64_t flag;
+};
+
+at::Tensor packed_buffer(int64_t bytes, MessageStamp stamp, Flag flag, at::Device device) {
+  const auto options = at::TensorOptions(at::kByte).device(device);
+  // A marker carries nothing after its header: zeros rather than whatever memory held.
+  auto buffer = flag == kChanged ? at::zeros({bytes}, options) : at::empty({bytes}, options);
+  const auto header =
+      at::tensor({stamp.pipeline, stamp.step, static_cast<int64_t>(flag)}, at::kLong);
+  buffer.narrow(0, 0, header.nbytes()).copy_(header.view(at::kByte));
+  return buffer;
+}
+
+Header header_of(const at::Tensor& buffer) {
+  const auto header = buffer.narrow(0, 0, 3 * sizeof(int64_t)).cpu().view(at::kLong);
+  const auto* in = header.data_ptr<int64_t>();
+  return {{in[0], in[1]}, in[2]};
+}
+
+// The tensors of `layout` as views of `buffer`'s bytes after the header.
+std::vector<at::Tensor> views(const at::Tensor& buffer, const MessageLayout& layout) {
+  std::vector<at::Tensor> tensors;
+  int64_t offset = kHeaderBytes;
+  for (size_t n = 0; n < layout.dtypes.size(); ++n) {
+    const int64_t bytes = nbytes(layout.dtypes[n], layout.shapes[n]);
+    tensors.push_back(
+        buffer.narrow(0, offset, bytes).view(layout.dtypes[n]).view(layout.shapes[n]));
+    offset += aligned(bytes);
   }
   return tensors;
 }
 
+c10::intrusive_ptr<c10d::Work> send_one(at::Tensor tensor,
+                                        int peer,
+                                        int tag,
+                                        const GroupPtr& group) {
+  std::vector<at::Tensor> one{std::move(tensor)};
+  return group->send(one, peer, tag);
+}
+
+at::Tensor recv_one(at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
+  std::vector<at::Tensor> one{tensor};
+  group->recv(one, peer, tag)->wait();
+  return tensor;
+}
+
 }  // namespace
+
+MessageLayout MessageLayout::of(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) <= kMaxTensorsPerMessage,
+              "torch_mp.pipeline: a stage passes ",
+              tensors.size(),
+              " tensors to the next; at most ",
+              kMaxTensorsPerMessage,
+              " are supported");
+  MessageLayout layout;
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.dim() <= kMaxDims,
+                "torch_mp.pipeline: tensors passed between stages have at most ",
+                kMaxDims,
+                " dims, got ",
+                t.dim());
+    layout.dtypes.push_back(t.scalar_type());
+    layout.shapes.push_back(t.sizes().vec());
+  }
+  return layout;
+}
+
+int64_t MessageLayout::packed_bytes() const {
+  int64_t bytes = kHeaderBytes;
+  for (size_t n = 0; n < dtypes.size(); ++n) {
+    bytes += aligned(nbytes(dtypes[n], shapes[n]));
+  }
+  return bytes;
+}
 
 std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::Tensor>& tensors,
                                                          int peer,
                                                          int tag,
                                                          const GroupPtr& group,
-                                                         MessageStamp stamp) {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+                                                         MessageStamp stamp,
+                                                         Channel& channel) {
   const at::Device device = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
-  std::vector<at::Tensor> metadata{encode(tensors, stamp).to(device)};
-  works.push_back(group->send(metadata, peer, tag));
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    std::vector<at::Tensor> one{tensors[i].detach().contiguous()};
-    works.push_back(group->send(one, peer, tag + 1 + static_cast<int>(i)));
+  auto layout = MessageLayout::of(tensors);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  int data_tag = tag + 1;
+  if (!channel.layout || !(*channel.layout == layout)) {
+    if (channel.layout) {  // the receiver waits for a message of the old size: say it changed
+      works.push_back(
+          send_one(packed_buffer(channel.layout->packed_bytes(), stamp, kChanged, device),
+                   peer,
+                   tag + 1,
+                   group));
+      data_tag = tag + 2;
+    }
+    works.push_back(send_one(encode(layout, stamp).to(device), peer, tag, group));
   }
+  auto buffer = packed_buffer(layout.packed_bytes(), stamp, kData, device);
+  const auto targets = views(buffer, layout);
+  for (size_t n = 0; n < tensors.size(); ++n) {
+    targets[n].copy_(tensors[n].detach());
+  }
+  works.push_back(send_one(std::move(buffer), peer, data_tag, group));
+  channel.layout = std::move(layout);
   return works;
 }
 
-PendingRecv post_recv(int peer, int tag, const GroupPtr& group, at::Device device) {
-  PendingRecv pending{
-      peer, tag, {at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device))}, {}};
-  pending.work = group->recv(pending.metadata, peer, tag);
+PendingRecv post_recv(
+    int peer, int tag, const GroupPtr& group, at::Device device, const Channel& channel) {
+  PendingRecv pending{peer, tag, channel.layout.has_value(), {}, {}};
+  pending.buffer =
+      channel.layout
+          ? at::empty({channel.layout->packed_bytes()}, at::TensorOptions(at::kByte).device(device))
+          : at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device));
+  std::vector<at::Tensor> one{pending.buffer};
+  pending.work = group->recv(one, peer, pending.expects_data ? tag + 1 : tag);
   return pending;
 }
 
@@ -105,24 +211,39 @@ std::vector<at::Tensor> finish_recv(PendingRecv& pending,
                                     const GroupPtr& group,
                                     at::Device device,
                                     MessageStamp expected,
-                                    const std::string& what) {
+                                    const std::string& what,
+                                    Channel& channel) {
   pending.work->wait();
-  auto tensors = allocate(pending.metadata[0].cpu(), device, expected, what);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    std::vector<at::Tensor> one{tensors[i]};
-    group->recv(one, pending.peer, pending.tag + 1 + static_cast<int>(i))->wait();
+  int data_tag = pending.tag + 1;
+  at::Tensor metadata;
+  if (pending.expects_data) {
+    const Header header = header_of(pending.buffer);
+    check_stamp(header.stamp, expected, what);
+    TORCH_CHECK(header.flag == kData || header.flag == kChanged,
+                "torch_mp.pipeline: ",
+                what,
+                " received a malformed message (flag ",
+                header.flag,
+                ")");
+    if (header.flag == kData) {
+      return views(pending.buffer, *channel.layout);
+    }
+    metadata = recv_one(at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device)),
+                        pending.peer,
+                        pending.tag,
+                        group);
+    data_tag = pending.tag + 2;
+  } else {
+    metadata = pending.buffer;
   }
-  return tensors;
-}
-
-std::vector<at::Tensor> recv_tensors(int peer,
-                                     int tag,
-                                     const GroupPtr& group,
-                                     at::Device device,
-                                     MessageStamp expected,
-                                     const std::string& what) {
-  auto pending = post_recv(peer, tag, group, device);
-  return finish_recv(pending, group, device, expected, what);
+  channel.layout = decode(metadata.cpu(), expected, what);
+  auto buffer = recv_one(
+      at::empty({channel.layout->packed_bytes()}, at::TensorOptions(at::kByte).device(device)),
+      pending.peer,
+      data_tag,
+      group);
+  check_stamp(header_of(buffer).stamp, expected, what);
+  return views(buffer, *channel.layout);
 }
 
 }  // namespace torch_mp::pipeline

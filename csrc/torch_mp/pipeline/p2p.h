@@ -1,14 +1,23 @@
 #pragma once
 // Point-to-point exchange of tensor lists between pipeline ranks, shapes and dtypes included.
 //
-// Every message is preceded by a small metadata message (count, dtype, shape of each tensor),
-// so receivers allocate exactly what arrives, whatever the stage emits and however it changes
-// from one micro-batch or step to the next. Sends are asynchronous (wait on the returned works
-// before the tensors are reused); receives block. Gloo has no coalesced P2P, so every tensor is
-// its own message under its own tag.
+// A message is one buffer: a header (the sending pipeline and step, and a flag) followed by
+// every tensor's bytes. What the tensors are (count, dtypes, shapes) travels in a separate
+// metadata message only when the receiver cannot know it: the first time a channel (one
+// direction of one stage boundary for one micro-batch) is used, and when it changes. Both ends
+// remember the layout last passed through each channel, so in the steady state a transfer is
+// one message whose receive can be posted ahead, with no metadata round on the critical path:
+//
+//   first use:  metadata (tag)               + data (tag + 1)
+//   same:                                      data (tag + 1)
+//   changed:    marker of the old size (tag + 1) + metadata (tag) + data (tag + 2)
+//
+// Gloo moves an unbound buffer only once both ends have posted, so receives are posted early
+// (post_recv) and finished when the tensors are needed (finish_recv). Sends are asynchronous.
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,7 +28,7 @@ namespace torch_mp::pipeline {
 /// At most this many tensors pass between two stages in one message.
 constexpr int64_t kMaxTensorsPerMessage = 32;
 /// Tags one message uses: [tag, tag + kTagsPerMessage).
-constexpr int kTagsPerMessage = kMaxTensorsPerMessage + 1;
+constexpr int kTagsPerMessage = 3;
 
 /// What a message belongs to: the pipeline instance and step that sent it, so that a message
 /// left over from an earlier (failed) step or another Pipeline is never taken for a new one.
@@ -28,42 +37,54 @@ struct MessageStamp {
   int64_t step = 0;
 };
 
-/// Sends `tensors` (made contiguous) to rank `peer` of `group` under tags starting at `tag`,
-/// stamped with `stamp`. Returns the pending works.
+/// The dtypes and shapes of a message's tensors, as both ends of a channel remember them.
+struct MessageLayout {
+  std::vector<at::ScalarType> dtypes;
+  std::vector<std::vector<int64_t>> shapes;
+
+  static MessageLayout of(const std::vector<at::Tensor>& tensors);
+  bool operator==(const MessageLayout& other) const = default;
+  /// Bytes of the data message: header, then each tensor 64-byte aligned.
+  int64_t packed_bytes() const;
+};
+
+/// What one end of a channel knows of it (empty until the first message passes).
+struct Channel {
+  std::optional<MessageLayout> layout;
+};
+
+/// Sends `tensors` to rank `peer` of `group` under tags starting at `tag`, stamped with `stamp`;
+/// metadata only if `channel` has not passed this layout last. Returns the pending works.
 std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::Tensor>& tensors,
                                                          int peer,
                                                          int tag,
                                                          const GroupPtr& group,
-                                                         MessageStamp stamp);
+                                                         MessageStamp stamp,
+                                                         Channel& channel);
 
-/// A receive whose metadata message is posted ahead (`post_recv`), to be finished when its
-/// tensors are needed (`finish_recv`): the metadata can arrive while the receiver computes, and
-/// only the data message is then on the critical path.
+/// A receive posted ahead (`post_recv`), finished when its tensors are needed (`finish_recv`).
 struct PendingRecv {
   int peer = 0;
   int tag = 0;
-  std::vector<at::Tensor> metadata;
+  bool expects_data = false;  // the channel's layout is known: the data message is posted
+  at::Tensor buffer;          // metadata or data, as posted
   c10::intrusive_ptr<c10d::Work> work;
 };
 
-/// Posts the metadata receive of the message `peer` sends under `tag`.
-PendingRecv post_recv(int peer, int tag, const GroupPtr& group, at::Device device);
+/// Posts the receive of the message `peer` sends under `tag` through `channel`: its data
+/// message if the channel's layout is known, its metadata message otherwise.
+PendingRecv post_recv(
+    int peer, int tag, const GroupPtr& group, at::Device device, const Channel& channel);
 
-/// Waits for `pending`'s metadata, then receives the tensors; checks as recv_tensors does.
+/// Waits for `pending` and returns the tensors (views of one received buffer), updating
+/// `channel`. Raises if the metadata is malformed (a sender that is not a torch_mp pipeline
+/// stage) or a header carries another stamp than `expected` (a message of another step or
+/// Pipeline); `what` names the receive.
 std::vector<at::Tensor> finish_recv(PendingRecv& pending,
                                     const GroupPtr& group,
                                     at::Device device,
                                     MessageStamp expected,
-                                    const std::string& what);
-
-/// Receives what `send_tensors` sent from `peer` under `tag`, allocated on `device`. Raises if
-/// the metadata is malformed (a sender that is not a torch_mp pipeline stage) or carries another
-/// stamp than `expected` (a message of another step or Pipeline); `what` names the receive.
-std::vector<at::Tensor> recv_tensors(int peer,
-                                     int tag,
-                                     const GroupPtr& group,
-                                     at::Device device,
-                                     MessageStamp expected,
-                                     const std::string& what);
+                                    const std::string& what,
+                                    Channel& channel);
 
 }  // namespace torch_mp::pipeline

@@ -36,11 +36,11 @@ Stage stage_of(data_parallel::DataParallel module);
 
 /// Pipeline-parallel training of this rank's stages.
 ///
-/// Every rank of the pipeline group builds one with its own stages (rank r of p holds stages
-/// r, r + p, ... in increasing order) and calls `step` together: the rank holding the first stage
-/// passes the batch, the rank holding the last stage the targets. Gradients accumulate into the
-/// stages' parameters and equal those of the unpipelined model with the loss averaged over the
-/// batch.
+/// Every rank of the pipeline group builds one with its own stages (Schedule::stages_of_rank, in
+/// increasing order: stages r, r + p, ... of p ranks, or r and 2p - 1 - r for zbv's V) and calls
+/// `step` together: the rank holding the first stage passes the batch, the rank holding the last
+/// stage the targets. Gradients accumulate into the stages' parameters and equal those of the
+/// unpipelined model with the loss averaged over the batch.
 class Pipeline {
  public:
   /// Generates the schedule named in `options` for group size x stages.size() stages.

@@ -92,17 +92,28 @@ void check_sizes(const std::string& name, int64_t stages, int64_t m, int64_t per
               per_rank,
               ")");
   const int64_t ranks = stages / per_rank;
-  if (name == "interleaved_1f1b") {
+  if (name == "interleaved_1f1b" || name == "interleaved_zb") {
     TORCH_CHECK(per_rank >= 2,
-                "torch_mp.pipeline.schedule: interleaved_1f1b needs stages_per_rank >= 2 (got ",
+                "torch_mp.pipeline.schedule: ",
+                name,
+                " needs stages_per_rank >= 2 (got ",
                 per_rank,
-                "); use 1f1b for one stage per rank");
+                "); use ",
+                name == "interleaved_zb" ? "zb_h1" : "1f1b",
+                " for one stage per rank");
     TORCH_CHECK(m % ranks == 0,
-                "torch_mp.pipeline.schedule: interleaved_1f1b needs num_microbatches (",
+                "torch_mp.pipeline.schedule: ",
+                name,
+                " needs num_microbatches (",
                 m,
                 ") divisible by the number of pipeline ranks (",
                 ranks,
                 ")");
+  } else if (name == "zbv") {
+    TORCH_CHECK(per_rank == 2,
+                "torch_mp.pipeline.schedule: zbv runs two stages per rank (stages_per_rank=2), "
+                "placed in a V, got ",
+                per_rank);
   } else {
     TORCH_CHECK(per_rank == 1,
                 "torch_mp.pipeline.schedule: ",
@@ -134,6 +145,29 @@ const char* kind_name(ActionKind kind) {
       return "RECV_B";
   }
   return "?";
+}
+
+const char* placement_name(Placement placement) {
+  return placement == Placement::kV ? "v" : "loop";
+}
+
+int64_t rank_of_stage(int64_t stage, int64_t num_ranks, Placement placement) {
+  const int64_t chunk = stage / num_ranks;
+  const int64_t index = stage % num_ranks;
+  return placement == Placement::kV && chunk % 2 == 1 ? num_ranks - 1 - index : index;
+}
+
+int64_t Schedule::rank_of_stage(int64_t stage) const {
+  return pipeline::rank_of_stage(stage, num_ranks(), placement);
+}
+
+std::vector<int64_t> Schedule::stages_of_rank(int64_t rank) const {
+  std::vector<int64_t> stages;
+  for (int64_t chunk = 0; chunk < stages_per_rank; ++chunk) {
+    const bool reversed = placement == Placement::kV && chunk % 2 == 1;
+    stages.push_back(chunk * num_ranks() + (reversed ? num_ranks() - 1 - rank : rank));
+  }
+  return stages;
 }
 
 bool is_compute(ActionKind kind) {
@@ -170,7 +204,11 @@ Action Action::parse(const std::string& text) {
 std::string Schedule::to_string() const {
   std::ostringstream out;
   out << "# torch_mp schedule " << name << ": num_stages=" << num_stages
-      << " num_microbatches=" << num_microbatches << " stages_per_rank=" << stages_per_rank << "\n";
+      << " num_microbatches=" << num_microbatches << " stages_per_rank=" << stages_per_rank;
+  if (placement != Placement::kLoop) {
+    out << " placement=" << placement_name(placement);
+  }
+  out << "\n";
   for (int64_t r = 0; r < num_ranks(); ++r) {
     out << "rank " << r << ":";
     for (const Action& action : actions[r]) {
@@ -183,7 +221,7 @@ std::string Schedule::to_string() const {
 
 Schedule Schedule::parse(const std::string& text) {
   static const std::regex header(
-      R"(#\s*torch_mp schedule\s+(\S+):\s*num_stages=(\d+)\s+num_microbatches=(\d+)\s+stages_per_rank=(\d+)\s*)");
+      R"(#\s*torch_mp schedule\s+(\S+):\s*num_stages=(\d+)\s+num_microbatches=(\d+)\s+stages_per_rank=(\d+)(?:\s+placement=(loop|v))?\s*)");
   static const std::regex rank_line(R"(\s*rank\s+(\d+)\s*:(.*))");
   Schedule schedule;
   bool have_header = false;
@@ -196,6 +234,7 @@ Schedule Schedule::parse(const std::string& text) {
       schedule.num_stages = std::stoll(match[2]);
       schedule.num_microbatches = std::stoll(match[3]);
       schedule.stages_per_rank = std::stoll(match[4]);
+      schedule.placement = match[5] == "v" ? Placement::kV : Placement::kLoop;
       have_header = true;
     } else if (std::regex_match(line, match, rank_line)) {
       const auto rank = std::stoll(match[1]);
@@ -252,13 +291,17 @@ Schedule Schedule::parse(const std::string& text) {
   return schedule;
 }
 
-std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"}; }
+std::vector<std::string> schedule_names() {
+  return {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "zbv"};
+}
 
 std::vector<std::vector<Action>> with_communication(const std::vector<std::vector<Action>>& compute,
-                                                    int64_t num_stages) {
+                                                    int64_t num_stages,
+                                                    Placement placement) {
   const auto ranks = static_cast<int64_t>(compute.size());
   auto remote = [&](int64_t stage, int64_t neighbour) {
-    return neighbour >= 0 && neighbour < num_stages && neighbour % ranks != stage % ranks;
+    return neighbour >= 0 && neighbour < num_stages &&
+           rank_of_stage(neighbour, ranks, placement) != rank_of_stage(stage, ranks, placement);
   };
   std::vector<std::vector<Action>> out(ranks);
   for (int64_t r = 0; r < ranks; ++r) {
@@ -292,20 +335,29 @@ Schedule make_schedule(const std::string& name,
   TORCH_CHECK(std::find(names.begin(), names.end(), name) != names.end(),
               "torch_mp.pipeline.schedule: unknown schedule '",
               name,
-              "' (known: gpipe, 1f1b, interleaved_1f1b, zb_h1)");
+              "' (known: gpipe, 1f1b, interleaved_1f1b, zb_h1, interleaved_zb, zbv)");
   check_sizes(name, num_stages, num_microbatches, stages_per_rank);
   const int64_t ranks = num_stages / stages_per_rank;
+  const Placement placement = name == "zbv" ? Placement::kV : Placement::kLoop;
   RankActions compute;
   if (name == "gpipe") {
     compute = gpipe(ranks, num_microbatches);
   } else if (name == "1f1b" || name == "interleaved_1f1b") {
     compute = one_f_one_b(ranks, num_microbatches, stages_per_rank, ActionKind::kFullBackward);
+  } else if (name == "zb_h1" || name == "interleaved_zb") {
+    compute = zero_bubble_fill(
+        one_f_one_b(ranks, num_microbatches, stages_per_rank, ActionKind::kBackwardInput),
+        num_stages,
+        num_microbatches);
   } else {
-    compute = zero_bubble_h1(one_f_one_b(ranks, num_microbatches, 1, ActionKind::kBackwardInput),
-                             num_microbatches);
+    compute = zero_bubble_v(ranks, num_microbatches);
   }
-  return Schedule{
-      name, num_stages, num_microbatches, stages_per_rank, with_communication(compute, num_stages)};
+  return Schedule{name,
+                  num_stages,
+                  num_microbatches,
+                  stages_per_rank,
+                  placement,
+                  with_communication(compute, num_stages, placement)};
 }
 
 }  // namespace torch_mp::pipeline

@@ -1,8 +1,11 @@
 #pragma once
 // Pipeline schedules as data: for every pipeline rank, the ordered list of actions it performs.
 //
-// A schedule for S stages over p ranks (S = p * stages_per_rank; stage s lives on rank s % p) and
-// m micro-batches. Actions name a stage and a micro-batch:
+// A schedule for S stages over p ranks (S = p * stages_per_rank) and m micro-batches. Stages are
+// placed in chunks of p: chunk c holds stages c p ... c p + p - 1, on ranks 0 ... p - 1 ("loop",
+// stage s on rank s % p) or, in the "v" placement, on ranks 0 ... p - 1 for even chunks and
+// p - 1 ... 0 for odd ones (with two chunks, rank r holds stages r and 2p - 1 - r, so the first
+// and the last stage share rank 0). Actions name a stage and a micro-batch:
 //
 //   F(s,m)       forward of stage s on micro-batch m
 //   B(s,m)       backward for the input gradient only (zero-bubble schedules)
@@ -54,6 +57,15 @@ struct Action {
   static Action parse(const std::string& text);
 };
 
+/// How stages are laid over the ranks (see the top of this file).
+enum class Placement : uint8_t {
+  kLoop,  ///< stage s on rank s % p
+  kV,     ///< chunk by chunk, alternately 0 ... p - 1 and p - 1 ... 0
+};
+
+/// "loop" or "v".
+const char* placement_name(Placement placement);
+
 /// Every pipeline rank's ordered actions, and the sizes they were made for.
 struct Schedule {
   /// The generator's name, or whatever a parsed file says.
@@ -61,12 +73,15 @@ struct Schedule {
   int64_t num_stages = 0;
   int64_t num_microbatches = 0;
   int64_t stages_per_rank = 1;
+  Placement placement = Placement::kLoop;
   /// actions[r] is what pipeline rank r does, in order.
   std::vector<std::vector<Action>> actions;
 
   int64_t num_ranks() const { return static_cast<int64_t>(actions.size()); }
-  /// The rank that holds `stage` (stages loop over the ranks: stage s on rank s % p).
-  int64_t rank_of_stage(int64_t stage) const { return stage % num_ranks(); }
+  /// The rank that holds `stage`.
+  int64_t rank_of_stage(int64_t stage) const;
+  /// The stages `rank` holds, in increasing order; stage s is the rank's local stage s / p.
+  std::vector<int64_t> stages_of_rank(int64_t rank) const;
   /// Text form: a header line, then "rank R: A A A ..." per rank. `parse` reads it back.
   std::string to_string() const;
   /// Reads `to_string`'s form (blank lines and lines starting with '#' other than the header
@@ -80,18 +95,24 @@ std::vector<std::string> schedule_names();
 /// Generates a schedule, with its sends and receives.
 ///
 /// Args: `name` one of "gpipe", "1f1b", "interleaved_1f1b" (needs stages_per_rank >= 2 and
-/// num_microbatches divisible by the number of ranks), "zb_h1"; `num_stages` the total number of
-/// stages, divisible by `stages_per_rank`; the number of ranks is num_stages / stages_per_rank.
+/// num_microbatches divisible by the number of ranks), "zb_h1", "interleaved_zb"
+/// (stages_per_rank >= 2), "zbv" (stages_per_rank = 2, "v" placement); `num_stages` the total
+/// number of stages, divisible by `stages_per_rank`; the number of ranks is
+/// num_stages / stages_per_rank.
 /// Raises on an unknown name or sizes the schedule cannot take.
 Schedule make_schedule(const std::string& name,
                        int64_t num_stages,
                        int64_t num_microbatches,
                        int64_t stages_per_rank = 1);
 
+/// The rank of `stage` among `num_ranks` under `placement` (Schedule::rank_of_stage).
+int64_t rank_of_stage(int64_t stage, int64_t num_ranks, Placement placement);
+
 /// Adds the sends and receives that per-rank lists of compute actions need: a RECV right before
 /// the compute that consumes it and a SEND right after the compute that produces it, wherever
 /// neighbouring stages live on different ranks.
 std::vector<std::vector<Action>> with_communication(const std::vector<std::vector<Action>>& compute,
-                                                    int64_t num_stages);
+                                                    int64_t num_stages,
+                                                    Placement placement = Placement::kLoop);
 
 }  // namespace torch_mp::pipeline

@@ -60,6 +60,7 @@ class Replay {
 
   SimulationResult run() {
     replay();
+    TORCH_CHECK(!streams_.misrouted(), streams_.misrouted()->message);
     report_deadlock();
     TORCH_CHECK(comm_ == CommSemantics::kGloo || streams_.idle(),
                 "torch_mp.pipeline: under NCCL a send is never received:",
@@ -80,10 +81,10 @@ class Replay {
     return result_;
   }
 
-  // NCCL: replays until done or stuck; if stuck on a stream held by a send, that send.
-  std::optional<std::pair<int64_t, size_t>> held_send() {
+  // NCCL: replays until done or stuck; then what holds it up, for make_nccl_safe.
+  const NcclStreams& replay_streams() {
     replay();
-    return streams_.held_send();
+    return streams_;
   }
 
  private:
@@ -334,13 +335,27 @@ class Replay {
 Schedule make_nccl_safe(Schedule schedule) {
   size_t moves = 0;
   for (const auto& list : schedule.actions) {
-    moves += list.size();  // each send moves forward at most the length of its list
+    moves += list.size() * list.size();  // each action moves at most across its list
   }
   const CostModel costs;
   for (size_t round = 0; round <= moves; ++round) {
-    const auto held = Replay(schedule, costs, CommSemantics::kNccl).held_send();
+    Replay replay(schedule, costs, CommSemantics::kNccl);
+    const NcclStreams& streams = replay.replay_streams();
+    if (const auto& misrouted = streams.misrouted()) {
+      // Messages between two ranks arrive in the order they are sent: the receive the message
+      // is meant for is posted just before the one it would land in. Posting a receive earlier
+      // is always valid (what it receives is kept until its computation runs).
+      auto& list = schedule.actions[misrouted->rank];
+      const auto meant = std::find(list.begin() + static_cast<std::ptrdiff_t>(misrouted->index),
+                                   list.end(),
+                                   misrouted->meant_for);
+      TORCH_CHECK(meant != list.end(), misrouted->message);
+      std::rotate(list.begin() + static_cast<std::ptrdiff_t>(misrouted->index), meant, meant + 1);
+      continue;
+    }
+    const auto held = streams.held_send();
     if (!held) {
-      return schedule;  // runs (or fails for a reason no move of a send can mend)
+      return schedule;  // runs (or fails for a reason no move can mend)
     }
     auto& list = schedule.actions[held->first];
     size_t next_compute = held->second + 1;

@@ -71,11 +71,14 @@ SimulationResult simulate(const Schedule& schedule,
                           const CostModel& costs = {},
                           CommSemantics comm = CommSemantics::kGloo);
 
-/// `schedule` with sends moved later where NCCL would deadlock (CommSemantics::kNccl): while a
-/// replay gets stuck on a stream held by a lone send, that send moves past the rank's next
-/// computation, into the next group of sends and receives. Delaying a send is always valid (its
-/// tensors are ready and kept); a schedule that needs no change is returned as it is. Raises if
-/// a deadlock remains that no such move resolves.
+/// `schedule` reordered so that it runs under NCCL's rules (CommSemantics::kNccl):
+/// - where a message would land in a receive meant for another (two ranks exchanging messages
+///   of two stages, as in the "v" placement), the receive it is meant for is posted just before;
+/// - while a replay gets stuck on a stream held by a lone send, that send moves past the rank's
+///   next computation, into the next group of sends and receives.
+/// Both moves are always valid (a receive's data and a send's tensors are kept until used); a
+/// schedule that needs no change is returned as it is. Raises if a deadlock remains that no
+/// such move resolves.
 Schedule make_nccl_safe(Schedule schedule);
 
 }  // namespace torch_mp::pipeline
