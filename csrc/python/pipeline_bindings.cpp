@@ -14,6 +14,7 @@
 #include "torch_mp/pipeline/pipeline.h"
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/pipeline/simulate.h"
+#include "torch_mp/pipeline/split_backward.h"
 
 namespace py = pybind11;
 
@@ -163,6 +164,30 @@ void bind_pipeline(py::module_& parent) {
       .def_property_readonly("trace", &Pipeline::trace)
       .def_property_readonly("schedule", &Pipeline::schedule);
 
+  py::class_<WeightWork>(m, "WeightWork", "What B kept for W (split_backward.h).");
+  m.def(
+      "backward_input",
+      [](const std::vector<at::Tensor>& outputs,
+         const std::vector<at::Tensor>& output_grads,
+         const std::vector<at::Tensor>& inputs,
+         const std::vector<at::Tensor>& parameters) {
+        WeightWork work;
+        auto grads = backward_input(outputs, output_grads, inputs, parameters, work);
+        std::vector<std::optional<at::Tensor>> out;
+        for (auto& g : grads) {
+          out.push_back(g.defined() ? std::optional<at::Tensor>(std::move(g)) : std::nullopt);
+        }
+        return std::make_pair(out, std::move(work));
+      },
+      py::arg("outputs"),
+      py::arg("output_grads"),
+      py::arg("inputs"),
+      py::arg("parameters"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def("backward_weight",
+        &backward_weight,
+        py::arg("work"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("make_nccl_safe", &make_nccl_safe, py::arg("schedule"));
   m.def("balanced_partition", &balanced_partition, py::arg("costs"), py::arg("num_stages"));
   m.def("schedule_names", &schedule_names);

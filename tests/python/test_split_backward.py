@@ -73,3 +73,26 @@ def test_b_and_w_walk_the_activation_path_once(world2):
 def test_a_parameter_shared_inside_a_stage_stays_exact(shared, world2):
     # The shared weight feeds two weight nodes: W runs as one backward from the outputs.
     world2.run(_split_backward, shared)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_backward_input_then_weight_equals_one_backward_in_one_process(shared):
+    # The functions the executor runs, called directly: B gives the input gradient and no
+    # parameter gradient, W then gives every parameter gradient; each counted node runs once.
+    torch.manual_seed(0)
+    stage = _Stage(shared)
+    reference = copy.deepcopy(stage)
+    x = torch.randn(4, WIDTH)
+    dout = torch.randn(4, WIDTH)
+    x_ref = x.clone().requires_grad_()
+    reference(x_ref).backward(dout)
+
+    leaf = x.clone().requires_grad_()
+    _Counted.calls = 0
+    (dx,), work = pipeline.backward_input([stage(leaf)], [dout], [leaf], list(stage.parameters()))
+    assert all(p.grad is None for p in stage.parameters())
+    assert_close(dx, x_ref.grad, "input gradient")
+    pipeline.backward_weight(work)
+    assert _Counted.calls == 1
+    for (name, param), ref in zip(stage.named_parameters(), reference.parameters(), strict=True):
+        assert_close(param.grad, ref.grad, f"{name} gradient")

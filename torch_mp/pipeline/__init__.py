@@ -25,6 +25,7 @@ from torch_mp.pipeline.schedule import (
     schedule_names,
     simulate,
 )
+from torch_mp.pipeline.split_backward import WeightWork, backward_input, backward_weight
 
 __all__ = [
     "Pipeline",
@@ -32,6 +33,9 @@ __all__ = [
     "Schedule",
     "SimulationResult",
     "TimedAction",
+    "WeightWork",
+    "backward_input",
+    "backward_weight",
     "chrome_trace",
     "load_schedule",
     "make_nccl_safe",
