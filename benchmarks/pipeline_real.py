@@ -1,9 +1,11 @@
 """Pipeline step time on real layers: torch_mp beside torch.distributed.pipelining, for the same
 schedules, stages, weights and micro-batches, at p = 2 pipeline ranks on CPU with Gloo.
 
-Run (two ranks, one thread each, so two cores are enough)::
+Run (two ranks, one thread each, so two cores are enough; the two variables keep glibc from
+handing large freed blocks back to the system, see split_backward.py)::
 
-    PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline_real.py
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 PYTHONPATH=. \
+        .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline_real.py
 
 Unlike ``pipeline_overhead.py``, whose stages sleep, here the stages compute (matmuls), so what
 is measured is what a user sees: compute, the library's bookkeeping, Gloo point-to-point and
@@ -66,7 +68,8 @@ TRANSFORMER_LAYERS_PER_RANK = 2
 HIDDEN, HEADS, FFN, SEQ = 256, 4, 1024, 64
 TRANSFORMER_MICROBATCH = 4  # sequences
 COMMAND = (
-    "PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline_real.py"
+    "MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 PYTHONPATH=. "
+    ".venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline_real.py"
 )
 
 
