@@ -8,6 +8,7 @@
 #include <map>
 #include <sstream>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "torch_mp/pipeline/executor.h"
 #include "torch_mp/pipeline/partition.h"
@@ -160,6 +161,11 @@ void bind_pipeline(py::module_& parent) {
           py::arg("parameters"),
           py::arg("group"),
           py::call_guard<py::gil_scoped_release>())
+      .def("reset",
+           &Pipeline::reset,
+           py::arg("store"),
+           py::arg("key"),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_check_finite", &Pipeline::set_check_finite, py::arg("on"))
       .def_property_readonly("trace", &Pipeline::trace)
       .def_property_readonly("schedule", &Pipeline::schedule);

@@ -173,13 +173,49 @@ at::Tensor reduce_scatter_to_sp(const at::Tensor& x, const GroupPtr& group, int6
 
 namespace comm {
 
+namespace {
+
+// Waits for a collective, turning Gloo's words for a dead or silent peer into ones that say so.
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const GroupPtr& group, const char* op) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    const std::string text = error ? error->what_without_backtrace() : e.what();
+    const bool closed = text.find("onnection closed") != std::string::npos ||
+                        text.find("closed by peer") != std::string::npos ||
+                        text.find("onnection reset") != std::string::npos ||
+                        text.find("Broken pipe") != std::string::npos;
+    const bool timed_out = text.find("imed out") != std::string::npos;
+    if (!closed && !timed_out) {
+      throw;
+    }
+    TORCH_CHECK(false,
+                "torch_mp: ",
+                op,
+                " over a group of ",
+                group->getSize(),
+                " ranks (this is rank ",
+                group->getRank(),
+                ") ",
+                closed ? "lost a peer's connection: did a peer's process die?"
+                       : "got no answer within the group's timeout: a peer stalled, is slow, or "
+                         "failed",
+                " (",
+                text,
+                ")");
+  }
+}
+
+}  // namespace
+
 at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group, c10d::ReduceOp op) {
   check_group(group);
   check_operands(x, group, "all_reduce");
   std::vector<at::Tensor> tensors{x.clone(at::MemoryFormat::Contiguous)};
   c10d::AllreduceOptions options;
   options.reduceOp = std::move(op);
-  group->allreduce(tensors, options)->wait();
+  wait_for(group->allreduce(tensors, options), group, "all_reduce");
   return tensors[0];
 }
 
@@ -192,7 +228,7 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   for (int i = 0; i < group->getSize(); ++i) {
     outputs[0].push_back(at::empty_like(inputs[0]));
   }
-  group->allgather(outputs, inputs)->wait();
+  wait_for(group->allgather(outputs, inputs), group, "all_gather");
   return at::cat(outputs[0], dim);
 }
 
@@ -206,7 +242,7 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& grou
     inputs[0].push_back(chunk.contiguous());
   }
   std::vector<at::Tensor> outputs{at::empty_like(inputs[0][0])};
-  group->reduce_scatter(outputs, inputs)->wait();
+  wait_for(group->reduce_scatter(outputs, inputs), group, "reduce_scatter");
   return outputs[0];
 }
 

@@ -164,6 +164,7 @@ std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
   mesh->rank = rank;
   // Creating NCCL groups from C++ is not built yet, so Gloo is the default here for now.
   const Backend backend = options.backend().value_or(Backend::kGloo);
+  mesh->store = store;
   mesh->world = new_process_group(c10::make_intrusive<c10d::PrefixStore>("torch_mp/world", store),
                                   static_cast<int>(rank),
                                   static_cast<int>(world_size),

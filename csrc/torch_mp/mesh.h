@@ -86,6 +86,8 @@ struct Mesh {
   /// The first and last pipeline stages' ranks of this rank's data and tensor coordinates (see
   /// MeshShape::embedding_groups); null on ranks of the stages in between.
   GroupPtr embedding_group;
+  /// The store the groups were made over (fresh groups, e.g. Pipeline::reset, use it too).
+  StorePtr store;
 
   int64_t tp_rank() const { return shape.coord(rank).tp; }
   int64_t dp_rank() const { return shape.coord(rank).dp; }

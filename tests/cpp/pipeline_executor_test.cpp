@@ -63,28 +63,27 @@ TEST_P(PipelineExecutor, LossAndGradientsEqualTheWholeModel) {
 
     std::vector<torch::nn::Sequential> mine;
     std::vector<pipeline::Stage> stages;
-    for (int64_t s = rank; s < num_stages; s += world) {
+    const auto schedule = pipeline::make_schedule(name, num_stages, 2 * world, per_rank);
+    const auto indices = schedule.stages_of_rank(rank);  // zbv: rank 0 holds first and last
+    for (int64_t s : indices) {
       mine.push_back(seeded_stage(s));
       stages.push_back(pipeline::stage_of(mine.back()));
     }
-    pipeline::Pipeline pipe(
-        std::move(stages),
-        mse,
-        pipeline::PipelineOptions().schedule(name).num_microbatches(2 * world).group(
-            mesh.pp_group));
-    const auto loss =
-        pipe.step(rank == 0 ? std::vector<at::Tensor>{x} : std::vector<at::Tensor>{},
-                  rank == world - 1 ? std::vector<at::Tensor>{y} : std::vector<at::Tensor>{});
-    EXPECT_EQ(loss.has_value(), rank == world - 1);
+    pipeline::Pipeline pipe(std::move(stages), mse, schedule, mesh.pp_group);
+    const bool first = schedule.rank_of_stage(0) == rank;
+    const bool last = schedule.rank_of_stage(num_stages - 1) == rank;
+    const auto loss = pipe.step(first ? std::vector<at::Tensor>{x} : std::vector<at::Tensor>{},
+                                last ? std::vector<at::Tensor>{y} : std::vector<at::Tensor>{});
+    EXPECT_EQ(loss.has_value(), last);
     if (loss) {
       EXPECT_TRUE(all_close(*loss, expected.detach())) << "loss";
     }
     for (size_t i = 0; i < mine.size(); ++i) {
       const auto got = mine[i]->parameters();
-      const auto want = whole[rank + i * world]->parameters();
+      const auto want = whole[indices[i]]->parameters();
       for (size_t j = 0; j < got.size(); ++j) {
         EXPECT_TRUE(all_close(got[j].grad(), want[j].grad()))
-            << name << ": stage " << rank + i * world << " parameter " << j;
+            << name << ": stage " << indices[i] << " parameter " << j;
       }
     }
   });
@@ -97,7 +96,9 @@ INSTANTIATE_TEST_SUITE_P(Schedules,
                                            ScheduleCase{"1f1b", 4, 1},
                                            ScheduleCase{"interleaved_1f1b", 2, 2},
                                            ScheduleCase{"zb_h1", 2, 1},
-                                           ScheduleCase{"zb_h1", 4, 1}),
+                                           ScheduleCase{"zb_h1", 4, 1},
+                                           ScheduleCase{"interleaved_zb", 2, 2},
+                                           ScheduleCase{"zbv", 2, 2}),
                          [](const ::testing::TestParamInfo<ScheduleCase>& info) {
                            return std::string(info.param.name) + "_world" +
                                   std::to_string(info.param.world);
@@ -123,6 +124,61 @@ TEST(PipelineExecutorErrors, AStageThatCannotTakeItsInputNamesBothStages) {
   EXPECT_TRUE(testing::mentions(errors[1], "stage 1 (rank 1) failed on micro-batch 0"));
   EXPECT_TRUE(testing::mentions(errors[1], "from stage 0 (rank 0)"));
   EXPECT_TRUE(errors[0].has_value()) << "the sender must stop at the timeout, not hang";
+}
+
+TEST(PipelineExecutorErrors, AFailureReachesEveryRankAtOnceAndResetRecovers) {
+  // Rank 1's stage throws in its second forward: both ranks raise well before the 20 s group
+  // timeout, naming rank 1, stage 1 and micro-batch 1; after reset() a step equals the model's.
+  const auto x = testing::rank_randn({kBatch, kWidth}, 1, 0);
+  const auto y = testing::rank_randn({kBatch, kWidth}, 2, 0);
+  const auto errors = testing::run_on_mesh_collecting_errors(
+      2,
+      [](int) { return InitOptions().pp(2).timeout(std::chrono::seconds(20)); },
+      [&](const Mesh& mesh) {
+        const int64_t rank = mesh.pp_rank();
+        std::vector<torch::nn::Sequential> whole{seeded_stage(0), seeded_stage(1)};
+        const auto expected = mse({whole[1]->forward(whole[0]->forward(x))}, {y});
+        expected.backward();
+        auto mine = seeded_stage(rank);
+        int calls = 0;
+        bool inject = rank == 1;
+        pipeline::Stage stage{[&](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+                                TORCH_CHECK(!(inject && calls++ == 1), "injected failure");
+                                return {mine->forward(in[0])};
+                              },
+                              mine->parameters(),
+                              {}};
+        pipeline::Pipeline pipe(
+            {stage}, mse, pipeline::PipelineOptions().num_microbatches(4).group(mesh.pp_group));
+        const auto inputs = rank == 0 ? std::vector<at::Tensor>{x} : std::vector<at::Tensor>{};
+        const auto targets = rank == 1 ? std::vector<at::Tensor>{y} : std::vector<at::Tensor>{};
+        const auto start = std::chrono::steady_clock::now();
+        const auto error = testing::error_of([&] { pipe.step(inputs, targets); });
+        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+        EXPECT_TRUE(testing::mentions(error, "stage 1 (rank 1) failed on micro-batch 1 in F(1,1)"))
+            << error.value_or("");
+        EXPECT_TRUE(testing::mentions(error, "injected failure")) << error.value_or("");
+        if (rank == 0) {
+          EXPECT_TRUE(testing::mentions(error, "because the step failed on rank 1"))
+              << error.value_or("");
+        }
+        pipe.reset(mesh.store, "executor_test");
+        inject = false;
+        for (auto& p : mine->parameters()) {
+          p.mutable_grad() = at::Tensor();
+        }
+        const auto loss = pipe.step(inputs, targets);
+        if (loss) {
+          EXPECT_TRUE(all_close(*loss, expected.detach())) << "loss after reset";
+        }
+        const auto got = mine->parameters();
+        const auto want = whole[rank]->parameters();
+        for (size_t j = 0; j < got.size(); ++j) {
+          EXPECT_TRUE(all_close(got[j].grad(), want[j].grad())) << "parameter " << j;
+        }
+      });
+  EXPECT_FALSE(errors[0].has_value()) << *errors[0];
+  EXPECT_FALSE(errors[1].has_value()) << *errors[1];
 }
 
 }  // namespace

@@ -12,11 +12,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# PyTorch's Gloo process group can abort a process at interpreter exit, after the script's
+# work is done: a Gloo worker thread drops the last reference to a tensor whose Python object
+# was already released, takes the GIL to free it while the interpreter finalises, and is ended
+# by Python mid-unwind ("terminate called without an active exception", SIGABRT). Seen in about
+# one run in six of tp_cnn.py on two cores. A run that reported its agreement and then died so
+# is run once more; any other failure fails the test.
+_EXIT_RACE = "terminate called without an active exception"
+
+
 def _run_example(script: str, nproc: int, *args: str) -> str:
     """Runs ``examples/python/<script>`` on ``nproc`` Gloo ranks; returns its stdout once it has
     exited 0 and reported agreement with its reference."""
+    result = _launch(script, nproc, *args)
+    if result.returncode != 0 and _EXIT_RACE in result.stderr and ": OK" in result.stdout:
+        result = _launch(script, nproc, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "agreement with the one-process reference" in result.stdout and ": OK" in result.stdout
+    return result.stdout
+
+
+def _launch(script: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    result = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -31,9 +49,6 @@ def _run_example(script: str, nproc: int, *args: str) -> str:
         text=True,
         timeout=180,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "agreement with the one-process reference" in result.stdout and ": OK" in result.stdout
-    return result.stdout
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -64,8 +64,15 @@ class Pipeline:
             itself instead.
         check_finite: Check every stage output, loss and input gradient for NaN and Inf as it
             is made; the first one raises, naming the stage, micro-batch, action and tensor.
-            Costs a reduction per tensor, so it is off by default. (The other ranks learn of it
-            at their group's timeout for now.)
+            Costs a reduction per tensor, so it is off by default.
+
+    When a step fails on one rank (a stage, the loss or a backward raises, a peer dies or
+    stalls), every rank's :meth:`step` raises, naming the rank, stage, micro-batch and action
+    where it began and the original error: the failing rank sends a failure notice in place of
+    every message it still owed, so its peers raise at once and pass it on, and the ranks
+    agree at the end of every step (one all-reduce of a scalar), so that even a rank which had
+    finished learns of it. A peer that stalls is named at the group's timeout, a dead one as
+    soon as its connection closes. Then call :meth:`reset` on every rank and go on.
 
     Raises:
         RuntimeError: If the schedule cannot run (it is simulated first), does not fit the group
@@ -122,6 +129,20 @@ class Pipeline:
             self._core.tie_parameters(
                 list(tied_parameters), embedding_group.group_name if embedding_group else ""
             )
+
+    def reset(self) -> None:
+        """Makes the pipeline usable again after a step that failed on any rank; call it on
+        every rank of the pipeline group, whether its own step raised or not.
+
+        A timeout or a lost connection leaves Gloo's connections closed, so the pipeline moves
+        to a fresh Gloo group of the same ranks (made over the default store, without the other
+        ranks of the job). Messages of the failed step are never taken for the next one, which
+        is exact. A dead process cannot come back this way: restart the job (e.g. torchrun's
+        ``--max-restarts``) and resume from a checkpoint.
+        """
+        ranks = dist.get_process_group_ranks(self.group)
+        store = dist.distributed_c10d._get_default_store()
+        self._core.reset(store, "ranks_" + "_".join(str(r) for r in ranks))
 
     @property
     def schedule(self) -> Schedule:

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -50,6 +51,45 @@ std::vector<at::Tensor> input_gradients(const std::vector<at::Tensor>& inputs,
     grads.push_back(g.defined() ? g : at::zeros_like(inputs[i]));
   }
   return grads;
+}
+
+bool is_recv(const Action& a) {
+  return a.kind == ActionKind::kRecvForward || a.kind == ActionKind::kRecvBackward;
+}
+
+bool is_send(const Action& a) {
+  return a.kind == ActionKind::kSendForward || a.kind == ActionKind::kSendBackward;
+}
+
+// An exception's text without C++ backtrace.
+std::string text_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+    return error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+bool mentions_any(const std::string& text, std::initializer_list<const char*> words) {
+  for (const char* word : words) {
+    if (text.find(word) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Gloo's words for a peer that never answered.
+bool timed_out(const std::string& text) { return mentions_any(text, {"Timed out", "timed out"}); }
+
+// Gloo's words for a peer whose connection went away (its process died, most often).
+bool lost_peer(const std::string& text) {
+  return mentions_any(text,
+                      {"Connection closed",
+                       "closed by peer",
+                       "Connection reset",
+                       "Broken pipe",
+                       "Connection refused",
+                       "connection closed"});
 }
 
 // Pipelines this process has built (see Executor::pipeline_id_).
@@ -115,12 +155,7 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
               schedule_.stages_per_rank,
               " stage(s) on each rank");
   simulate(schedule_);  // raises, naming rank, step and action, if the schedule cannot run
-  // One id for this Pipeline on every rank of the group, whatever each built before.
-  pipeline_id_ =
-      comm::all_reduce(
-          at::scalar_tensor(pipelines_built.load(), at::kLong), group_, c10d::ReduceOp::MAX)
-          .item<int64_t>();
-  pipelines_built = pipeline_id_ + 1;
+  agree_on_id();
   last_backward_.resize(stages_.size());
   const auto& mine = schedule_.actions[rank_];
   for (size_t i = 0; i < mine.size(); ++i) {
@@ -145,6 +180,15 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
       break;
     }
   }
+}
+
+void Executor::agree_on_id() {
+  // One id for this Pipeline on every rank of the group, whatever each built before.
+  pipeline_id_ =
+      comm::all_reduce(
+          at::scalar_tensor(pipelines_built.load(), at::kLong), group_, c10d::ReduceOp::MAX)
+          .item<int64_t>();
+  pipelines_built = pipeline_id_ + 1;
 }
 
 Stage& Executor::local(int64_t stage) { return stages_[stage / schedule_.num_ranks()]; }
@@ -216,11 +260,13 @@ void Executor::forward(const Action& a,
                 rank_,
                 ") failed on micro-batch ",
                 m,
+                " in ",
+                a.to_string(),
                 " given ",
                 describe(slot.inputs),
                 from.str(),
                 ": ",
-                e.what());
+                text_of(e));
   }
   require_finite(out, a, "output");
   if (s < schedule_.num_stages - 1) {
@@ -238,7 +284,26 @@ void Executor::forward(const Action& a,
               rank_,
               " holds the last stage and must be given target=");
   const auto loss_inputs = train ? as_stage_inputs(out, true) : out;
-  at::Tensor loss = loss_(loss_inputs, targets[m]);
+  at::Tensor loss;
+  try {
+    loss = loss_(loss_inputs, targets[m]);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false,
+                "Pipeline: loss_fn failed on micro-batch ",
+                m,
+                " in ",
+                a.to_string(),
+                " (last stage ",
+                s,
+                ", rank ",
+                rank_,
+                ") given ",
+                describe(loss_inputs),
+                " and targets ",
+                describe(targets[m]),
+                ": ",
+                text_of(e));
+  }
   TORCH_CHECK(loss.numel() == 1,
               "Pipeline: the loss function must return a scalar, got shape ",
               loss.sizes());
@@ -412,21 +477,18 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
                                         bool train,
                                         std::vector<std::vector<at::Tensor>>* outputs) {
   TORCH_CHECK(!broken_,
-              "Pipeline: an earlier step failed part-way on rank ",
+              "Pipeline: a step failed (on rank ",
               rank_,
-              "; its peers' messages may still be in flight, so build a new Pipeline");
+              " or another); call reset() on every rank of the pipeline before the next step");
   slots_.clear();
   losses_.clear();
   trace_.clear();
   pending_sends_.clear();
-  broken_ = true;  // until this step completes
+  broken_ = true;  // until this step completes on every rank
   ++steps_run_;
   sync_armed_.assign(stages_.size(), false);
   posted_recvs_.clear();
   next_recv_ = 0;
-  auto is_recv = [](const Action& a) {
-    return a.kind == ActionKind::kRecvForward || a.kind == ActionKind::kRecvBackward;
-  };
   auto post_next = [&] {
     while (next_recv_ < actions.size() && !is_recv(actions[next_recv_])) {
       ++next_recv_;
@@ -435,85 +497,286 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
       post(actions, next_recv_++);
     }
   };
-  for (size_t i = 0; i < kRecvsAhead; ++i) {
-    post_next();
-  }
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
-  for (size_t index = 0; index < actions.size(); ++index) {
-    const Action& a = actions[index];
-    const double began = seconds();
-    Slot& slot = slots_[{a.stage, a.microbatch}];
-    switch (a.kind) {
-      case ActionKind::kRecvForward:
-      case ActionKind::kRecvBackward: {
-        auto received = finish_recv(posted_recvs_.at(index),
-                                    group_,
-                                    device_,
-                                    {pipeline_id_, steps_run_},
-                                    where(a),
-                                    recv_channels_[message_of(a)]);
-        posted_recvs_.erase(index);
-        post_next();
-        if (a.kind == ActionKind::kRecvForward) {
-          slot.inputs = as_stage_inputs(received, train);
-        } else {
-          slot.output_grads = std::move(received);
-        }
-        break;
-      }
-      case ActionKind::kSendForward:
-      case ActionKind::kSendBackward: {
-        const bool fwd = a.kind == ActionKind::kSendForward;
-        auto works =
-            send_tensors(fwd ? slot.outputs : slot.input_grads,
-                         static_cast<int>(schedule_.rank_of_stage(a.stage + (fwd ? 1 : -1))),
-                         tag(message_of(a)),
-                         group_,
-                         {pipeline_id_, steps_run_},
-                         send_channels_[message_of(a)]);
-        pending_sends_.insert(pending_sends_.end(), works.begin(), works.end());
-        if (!fwd) {
-          slot.input_grads.clear();  // the pending work holds what it still needs
-        }
-        break;
-      }
-      case ActionKind::kForward:
-        forward(a, slot, inputs, targets, train, outputs);
-        break;
-      case ActionKind::kBackwardInput:
-      case ActionKind::kFullBackward:
-        backward(a, index, slot);
-        break;
-      case ActionKind::kBackwardWeight:
-        weight(a, index, slot);
-        break;
+  size_t index = 0;
+  try {
+    for (size_t i = 0; i < kRecvsAhead; ++i) {
+      post_next();
     }
-    trace_.push_back({rank_, a, began, seconds()});
-    // Let finished sends go, so that their tensors are freed as the schedule intends.
-    std::erase_if(pending_sends_, [](const auto& work) { return work->isCompleted(); });
-  }
-  for (auto& work : pending_sends_) {
-    work->wait();
+    for (; index < actions.size(); ++index) {
+      const Action& a = actions[index];
+      const double began = seconds();
+      Slot& slot = slots_[{a.stage, a.microbatch}];
+      switch (a.kind) {
+        case ActionKind::kRecvForward:
+        case ActionKind::kRecvBackward: {
+          auto received = finish_recv(posted_recvs_.at(index),
+                                      group_,
+                                      device_,
+                                      {pipeline_id_, steps_run_},
+                                      where(a),
+                                      recv_channels_[message_of(a)]);
+          posted_recvs_.erase(index);
+          post_next();
+          if (a.kind == ActionKind::kRecvForward) {
+            slot.inputs = as_stage_inputs(received, train);
+          } else {
+            slot.output_grads = std::move(received);
+          }
+          break;
+        }
+        case ActionKind::kSendForward:
+        case ActionKind::kSendBackward: {
+          const bool fwd = a.kind == ActionKind::kSendForward;
+          auto works =
+              send_tensors(fwd ? slot.outputs : slot.input_grads,
+                           static_cast<int>(schedule_.rank_of_stage(a.stage + (fwd ? 1 : -1))),
+                           tag(message_of(a)),
+                           group_,
+                           {pipeline_id_, steps_run_},
+                           send_channels_[message_of(a)]);
+          for (auto& work : works) {
+            pending_sends_.emplace_back(std::move(work), index);
+          }
+          if (!fwd) {
+            slot.input_grads.clear();  // the pending work holds what it still needs
+          }
+          break;
+        }
+        case ActionKind::kForward:
+          forward(a, slot, inputs, targets, train, outputs);
+          break;
+        case ActionKind::kBackwardInput:
+        case ActionKind::kFullBackward:
+          backward(a, index, slot);
+          break;
+        case ActionKind::kBackwardWeight:
+          weight(a, index, slot);
+          break;
+      }
+      trace_.push_back({rank_, a, began, seconds()});
+      // Let finished sends go, so that their tensors are freed as the schedule intends.
+      std::erase_if(pending_sends_, [](const auto& send) { return send.first->isCompleted(); });
+    }
+    for (auto& [work, send_index] : pending_sends_) {
+      index = send_index;  // a send that fails names its action and peer
+      work->wait();
+    }
+    index = actions.size();
+    if (train) {
+      const auto mine = schedule_.stages_of_rank(rank_);
+      for (size_t i = 0; i < stages_.size(); ++i) {
+        TORCH_CHECK(!stages_[i].arm_gradient_sync || sync_armed_[i],
+                    "Pipeline: stage ",
+                    mine[i],
+                    " (rank ",
+                    rank_,
+                    ") never reached the backward that reduces its data-parallel gradients");
+      }
+    }
+  } catch (const PeerFailure& e) {
+    fail(actions, index, e);
+  } catch (const std::exception& e) {
+    fail(actions, index, failure_of(actions, index, e));
   }
   pending_sends_.clear();
   slots_.clear();
-  if (train) {
-    for (size_t i = 0; i < stages_.size(); ++i) {
-      TORCH_CHECK(!stages_[i].arm_gradient_sync || sync_armed_[i],
-                  "Pipeline: stage ",
-                  rank_ + static_cast<int64_t>(i) * schedule_.num_ranks(),
-                  " (rank ",
-                  rank_,
-                  ") never reached the backward that reduces its data-parallel gradients");
-    }
-  }
+  agree(std::nullopt);
   broken_ = false;
   if (losses_.empty()) {
     return std::nullopt;
   }
   return at::stack(losses_).mean();
+}
+
+PeerFailure Executor::failure_of(const std::vector<Action>& actions,
+                                 size_t index,
+                                 const std::exception& e) const {
+  const std::string text = text_of(e);
+  const bool broken = timed_out(text) || lost_peer(text);
+  std::ostringstream out;
+  if (index >= actions.size()) {  // after the last action (the step's closing checks)
+    out << (text.rfind("Pipeline: ", 0) == 0 ? "" : "Pipeline: ") << text;
+    return PeerFailure(out.str(), rank_, broken);
+  }
+  const Action& a = actions[index];
+  const bool forward = a.kind == ActionKind::kRecvForward || a.kind == ActionKind::kSendForward;
+  const int64_t neighbour =
+      forward ? a.stage + (is_recv(a) ? -1 : 1) : a.stage + (is_recv(a) ? 1 : -1);
+  if ((is_recv(a) || is_send(a)) && broken) {
+    const int64_t peer = schedule_.rank_of_stage(neighbour);
+    out << "Pipeline: rank " << rank_ << "'s " << a.to_string() << (is_recv(a) ? " from" : " to")
+        << " rank " << peer << " (stage " << neighbour << ") ";
+    if (timed_out(text)) {
+      out << "got no answer within the group's timeout: rank " << peer
+          << " stalled, is slow, or failed without telling its peers";
+    } else {
+      out << "lost its connection to rank " << peer << " (did its process die?)";
+    }
+    out << ": " << text;
+  } else if (text.rfind("Pipeline: ", 0) == 0 || text.rfind("torch_mp.pipeline: ", 0) == 0) {
+    out << text;  // already names the rank, stage and micro-batch
+  } else {
+    out << "Pipeline: rank " << rank_ << ", stage " << a.stage << ", micro-batch " << a.microbatch
+        << ": " << a.to_string() << " failed: " << text;
+  }
+  return PeerFailure(out.str(), rank_, broken);
+}
+
+void Executor::fail(const std::vector<Action>& actions, size_t index, const PeerFailure& failure) {
+  // Every message still owed becomes a failure marker: the peers waiting for them raise now.
+  std::map<int64_t, std::vector<c10::intrusive_ptr<c10d::Work>>> first_marker;  // by peer
+  for (size_t j = index; j < actions.size(); ++j) {
+    const Action& a = actions[j];
+    if (!is_send(a)) {
+      continue;
+    }
+    const int64_t neighbour = a.stage + (a.kind == ActionKind::kSendForward ? 1 : -1);
+    try {
+      auto works = send_failure(failure,
+                                static_cast<int>(schedule_.rank_of_stage(neighbour)),
+                                tag(message_of(a)),
+                                group_,
+                                {pipeline_id_, steps_run_},
+                                send_channels_[message_of(a)],
+                                device_);
+      first_marker.emplace(schedule_.rank_of_stage(neighbour), works);
+      orphans_.insert(orphans_.end(), works.begin(), works.end());
+    } catch (const std::exception&) {
+      // A peer whose connection is gone cannot be told.
+    }
+  }
+  if (failure.group_broken) {
+    // No agreement follows (the group is broken), and this process may exit as soon as the
+    // error is raised: give each peer's first marker (the message it waits for, usually) a
+    // moment to leave, so that the peer learns what failed rather than that this rank is gone.
+    // Not the peer this rank lost or learnt the failure from.
+    if (index < actions.size() && (is_recv(actions[index]) || is_send(actions[index]))) {
+      const Action& a = actions[index];
+      const bool towards_next =
+          a.kind == ActionKind::kSendForward || a.kind == ActionKind::kRecvBackward;
+      first_marker.erase(schedule_.rank_of_stage(a.stage + (towards_next ? 1 : -1)));
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    for (const auto& [peer, works] : first_marker) {
+      try {
+        for (const auto& work : works) {  // the marker, then what failed
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+              deadline - std::chrono::steady_clock::now());
+          work->wait(std::max(left, std::chrono::milliseconds(1)));
+        }
+      } catch (const std::exception&) {
+        // Not taken in time (the peer waits for something else): it learns at its timeout.
+      }
+    }
+  }
+  // What was in flight stays alive with the group (see orphans_).
+  for (auto& [work, send_index] : pending_sends_) {
+    orphans_.push_back(work);
+  }
+  pending_sends_.clear();
+  for (auto& [i, pending] : posted_recvs_) {
+    orphans_.push_back(pending.work);
+  }
+  posted_recvs_.clear();
+  slots_.clear();
+  if (!failure.group_broken) {
+    try {
+      agree(failure);
+    } catch (const std::exception&) {
+      // The agreement failing (a peer died meanwhile) must not hide what failed here.
+    }
+  }
+  if (failure.origin == rank_) {
+    TORCH_CHECK(false, failure.what());
+  }
+  const Action& a = actions[std::min(index, actions.size() - 1)];
+  TORCH_CHECK(false,
+              "Pipeline: rank ",
+              rank_,
+              " stopped at ",
+              a.to_string(),
+              " because the step failed on rank ",
+              failure.origin,
+              ": ",
+              failure.what());
+}
+
+void Executor::agree(const std::optional<PeerFailure>& failure) {
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  int64_t first = kNone;
+  try {
+    first = comm::all_reduce(at::scalar_tensor(failure ? failure->origin : kNone, at::kLong),
+                             group_,
+                             c10d::ReduceOp::MIN)
+                .item<int64_t>();
+  } catch (const std::exception& e) {
+    if (failure) {
+      throw;
+    }
+    TORCH_CHECK(false,
+                "Pipeline: rank ",
+                rank_,
+                " finished its step, but could not agree on it with its peers (one failed and "
+                "left the group broken, stalled, or died): ",
+                text_of(e));
+  }
+  if (first == kNone) {
+    return;
+  }
+  // The first failure's text, from its rank.
+  auto text = at::zeros({4096}, at::kByte);
+  if (failure && failure->origin == first && rank_ == first) {
+    const std::string message = failure->what();
+    std::memcpy(text.data_ptr<uint8_t>(), message.data(), std::min<size_t>(message.size(), 4095));
+  }
+  std::vector<at::Tensor> buffer{text.to(device_)};
+  c10d::BroadcastOptions options;
+  options.rootRank = first;
+  group_->broadcast(buffer, options)->wait();
+  if (!failure) {
+    const auto received = buffer[0].cpu();
+    const auto* chars = reinterpret_cast<const char*>(received.data_ptr<uint8_t>());
+    TORCH_CHECK(false,
+                "Pipeline: rank ",
+                rank_,
+                " finished its step, but the step failed on rank ",
+                first,
+                ": ",
+                std::string(chars, strnlen(chars, 4096)));
+  }
+}
+
+void Executor::reset(GroupPtr group) {
+  if (group && group != group_) {
+    TORCH_CHECK(group->getSize() == group_->getSize() && group->getRank() == group_->getRank(),
+                "Pipeline.reset: the new group must have this rank and size (",
+                group_->getRank(),
+                " of ",
+                group_->getSize(),
+                "), got ",
+                group->getRank(),
+                " of ",
+                group->getSize());
+    old_groups_.push_back(std::move(group_));
+    group_ = std::move(group);
+  }
+  for (auto& [work, send_index] : pending_sends_) {
+    orphans_.push_back(work);
+  }
+  pending_sends_.clear();
+  for (auto& [i, pending] : posted_recvs_) {
+    orphans_.push_back(pending.work);
+  }
+  posted_recvs_.clear();
+  slots_.clear();
+  send_channels_.clear();
+  recv_channels_.clear();
+  agree_on_id();
+  steps_run_ = 0;
+  broken_ = false;
 }
 
 std::optional<at::Tensor> Executor::step(const std::vector<std::vector<at::Tensor>>& inputs,

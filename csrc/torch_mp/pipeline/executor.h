@@ -70,11 +70,23 @@ class Executor {
   /// (off by default: one reduction per tensor).
   void set_check_finite(bool on) { check_finite_ = on; }
 
+  /// Makes the executor usable again after a step that failed (on any rank), over `group` (a
+  /// fresh group after a timeout or a lost connection, which leave Gloo's pairs closed; the
+  /// same one otherwise). Collective over the group: every rank calls it, whether its own step
+  /// failed or not. Messages of the failed step are never taken for the next one (the next
+  /// step's tags and stamps differ, and each channel starts over with its metadata).
+  void reset(GroupPtr group);
+
   /// What the last step did on this rank, with wall-clock times (seconds from its start).
   const std::vector<TimedAction>& trace() const { return trace_; }
   const Schedule& schedule() const { return schedule_; }
   /// This rank in the pipeline group.
   int64_t rank() const { return rank_; }
+  /// The pipeline group.
+  const GroupPtr& group() const { return group_; }
+  /// This Pipeline's id, the same on every rank of its group and different for every Pipeline
+  /// (and reset) the group has run.
+  int64_t id() const { return pipeline_id_; }
 
  private:
   // What one (stage, micro-batch) holds between its actions.
@@ -117,6 +129,20 @@ class Executor {
   // Posts the receive at `index` of `actions`.
   void post(const std::vector<Action>& actions, size_t index);
   std::string where(const Action& a) const;
+  // Agrees on pipeline_id_ over the group (the constructor and reset).
+  void agree_on_id();
+  // Raises, on every rank, if another rank's step failed: one all-reduce of where failures
+  // began, then (only after a failure) the first one's text, broadcast from its rank.
+  void agree(const std::optional<PeerFailure>& failure);
+  // After a failure at `index` of `actions`: sends a failure marker in place of every message
+  // this rank still owed (so that its peers raise at once), agrees with the others unless the
+  // group is broken, and raises.
+  [[noreturn]] void fail(const std::vector<Action>& actions, size_t index, const PeerFailure& e);
+  // The failure an exception at `index` of `actions` means, named by rank, stage, micro-batch
+  // and action (and by the peer, for communication errors).
+  PeerFailure failure_of(const std::vector<Action>& actions,
+                         size_t index,
+                         const std::exception& e) const;
   Stage& local(int64_t stage);
 
   Schedule schedule_;
@@ -130,7 +156,8 @@ class Executor {
   int64_t steps_run_ = 0;
   at::Device device_ = at::kCPU;
   std::map<std::pair<int64_t, int64_t>, Slot> slots_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> pending_sends_;
+  // Sends in flight, with the index of their action.
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, size_t>> pending_sends_;
   // This step's receives posted ahead, by index in the action list: kRecvsAhead at a time, the
   // next one posted as one is finished (so that data can arrive while the rank computes,
   // without allocating every receive of the step at its start).
@@ -150,7 +177,11 @@ class Executor {
   std::vector<LastBackward> last_backward_;
   std::vector<bool> sync_armed_;
   bool check_finite_ = false;
-  bool broken_ = false;  // a step raised part-way; the message streams are out of step
+  bool broken_ = false;  // a step failed (here or on another rank): reset() before the next
+  // Failure markers still in flight, and groups replaced by reset() with the works that were
+  // pending on them: kept alive so that no buffer is freed under Gloo's threads.
+  std::vector<c10::intrusive_ptr<c10d::Work>> orphans_;
+  std::vector<GroupPtr> old_groups_;
 };
 
 /// Splits each tensor of `batch` along dim 0 into `num_microbatches` equal micro-batches:

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cstring>
+
 namespace torch_mp::pipeline {
 namespace {
 
@@ -18,7 +20,12 @@ constexpr int64_t kHeaderBytes = kAlign;
 enum Flag : int64_t {
   kData = 1,     // the tensors follow, in the layout the channel last passed
   kChanged = 2,  // the layout changed: metadata (tag) and data (tag + 2) follow
+  kFailed = 3,   // the sender's step failed: what failed follows (tag + 3)
 };
+// A metadata message with this count is a failure marker.
+constexpr int64_t kFailedCount = -1;
+// What failed: int64 origin rank, int64 group broken, then the text (truncated to fit).
+constexpr int64_t kFailureBytes = 4096;
 
 int64_t aligned(int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
@@ -62,6 +69,19 @@ void check_stamp(MessageStamp got, MessageStamp expected, const std::string& wha
               " (a message left over from another step); refused");
 }
 
+// Receives what failed (sent by send_failure) and raises it as PeerFailure.
+[[noreturn]] void raise_peer_failure(int peer, int tag, const GroupPtr& group) {
+  auto buffer = at::empty({kFailureBytes}, at::kByte);
+  std::vector<at::Tensor> one{buffer};
+  group->recv(one, peer, tag + 3)->wait();
+  const auto* bytes = buffer.data_ptr<uint8_t>();
+  int64_t header[2];
+  std::memcpy(header, bytes, sizeof(header));
+  const auto* text = reinterpret_cast<const char*>(bytes + sizeof(header));
+  throw PeerFailure(
+      std::string(text, strnlen(text, kFailureBytes - sizeof(header))), header[0], header[1] != 0);
+}
+
 MessageLayout decode(const at::Tensor& metadata, MessageStamp expected, const std::string& what) {
   const auto* in = metadata.data_ptr<int64_t>();
   check_stamp({in[0], in[1]}, expected, what);
@@ -94,7 +114,7 @@ struct Header {
 at::Tensor packed_buffer(int64_t bytes, MessageStamp stamp, Flag flag, at::Device device) {
   const auto options = at::TensorOptions(at::kByte).device(device);
   // A marker carries nothing after its header: zeros rather than whatever memory held.
-  auto buffer = flag == kChanged ? at::zeros({bytes}, options) : at::empty({bytes}, options);
+  auto buffer = flag == kData ? at::empty({bytes}, options) : at::zeros({bytes}, options);
   const auto header =
       at::tensor({stamp.pipeline, stamp.step, static_cast<int64_t>(flag)}, at::kLong);
   buffer.narrow(0, 0, header.nbytes()).copy_(header.view(at::kByte));
@@ -195,6 +215,38 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::T
   return works;
 }
 
+std::vector<c10::intrusive_ptr<c10d::Work>> send_failure(const PeerFailure& failure,
+                                                         int peer,
+                                                         int tag,
+                                                         const GroupPtr& group,
+                                                         MessageStamp stamp,
+                                                         const Channel& channel,
+                                                         at::Device device) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  if (channel.layout) {  // the receiver waits for data of the channel's size
+    works.push_back(send_one(packed_buffer(channel.layout->packed_bytes(), stamp, kFailed, device),
+                             peer,
+                             tag + 1,
+                             group));
+  } else {  // for metadata
+    auto marker = at::zeros({kMetadataLength}, at::kLong);
+    marker[0] = stamp.pipeline;
+    marker[1] = stamp.step;
+    marker[2] = kFailedCount;
+    works.push_back(send_one(marker.to(device), peer, tag, group));
+  }
+  auto text = at::zeros({kFailureBytes}, at::kByte);
+  auto* bytes = text.data_ptr<uint8_t>();
+  const int64_t header[2] = {failure.origin, failure.group_broken ? 1 : 0};
+  std::memcpy(bytes, header, sizeof(header));
+  const std::string message = failure.what();
+  std::memcpy(bytes + sizeof(header),
+              message.data(),
+              std::min<size_t>(message.size(), kFailureBytes - sizeof(header) - 1));
+  works.push_back(send_one(text, peer, tag + 3, group));
+  return works;
+}
+
 PendingRecv post_recv(
     int peer, int tag, const GroupPtr& group, at::Device device, const Channel& channel) {
   PendingRecv pending{peer, tag, channel.layout.has_value(), {}, {}};
@@ -219,6 +271,9 @@ std::vector<at::Tensor> finish_recv(PendingRecv& pending,
   if (pending.expects_data) {
     const Header header = header_of(pending.buffer);
     check_stamp(header.stamp, expected, what);
+    if (header.flag == kFailed) {
+      raise_peer_failure(pending.peer, pending.tag, group);
+    }
     TORCH_CHECK(header.flag == kData || header.flag == kChanged,
                 "torch_mp.pipeline: ",
                 what,
@@ -236,7 +291,13 @@ std::vector<at::Tensor> finish_recv(PendingRecv& pending,
   } else {
     metadata = pending.buffer;
   }
-  channel.layout = decode(metadata.cpu(), expected, what);
+  const auto metadata_cpu = metadata.cpu();
+  if (metadata_cpu.data_ptr<int64_t>()[2] == kFailedCount) {
+    check_stamp(
+        {metadata_cpu.data_ptr<int64_t>()[0], metadata_cpu.data_ptr<int64_t>()[1]}, expected, what);
+    raise_peer_failure(pending.peer, pending.tag, group);
+  }
+  channel.layout = decode(metadata_cpu, expected, what);
   auto buffer = recv_one(
       at::empty({channel.layout->packed_bytes()}, at::TensorOptions(at::kByte).device(device)),
       pending.peer,

@@ -11,6 +11,11 @@
 //   first use:  metadata (tag)               + data (tag + 1)
 //   same:                                      data (tag + 1)
 //   changed:    marker of the old size (tag + 1) + metadata (tag) + data (tag + 2)
+//   failed:     marker where the receiver waits (tag, or tag + 1) + what failed (tag + 3)
+//
+// A rank whose step fails sends a failure marker in place of every message it still owed, so
+// that its peers, waiting for those messages, raise at once with its error instead of at the
+// group's timeout, and pass it on in turn (send_failure, PeerFailure).
 //
 // Gloo moves an unbound buffer only once both ends have posted, so receives are posted early
 // (post_recv) and finished when the tensors are needed (finish_recv). Sends are asynchronous.
@@ -18,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,7 +34,7 @@ namespace torch_mp::pipeline {
 /// At most this many tensors pass between two stages in one message.
 constexpr int64_t kMaxTensorsPerMessage = 32;
 /// Tags one message uses: [tag, tag + kTagsPerMessage).
-constexpr int kTagsPerMessage = 3;
+constexpr int kTagsPerMessage = 4;
 
 /// What a message belongs to: the pipeline instance and step that sent it, so that a message
 /// left over from an earlier (failed) step or another Pipeline is never taken for a new one.
@@ -53,6 +59,17 @@ struct Channel {
   std::optional<MessageLayout> layout;
 };
 
+/// Raised by finish_recv when the peer sent a failure marker instead of the message: another
+/// rank's step failed. `what()` is that rank's error.
+struct PeerFailure : std::runtime_error {
+  PeerFailure(const std::string& message, int64_t origin, bool group_broken)
+      : std::runtime_error(message), origin(origin), group_broken(group_broken) {}
+  /// The rank (of the pipeline group) where the failure began.
+  int64_t origin;
+  /// Whether the failure left the group unusable (a timeout or a lost connection).
+  bool group_broken;
+};
+
 /// Sends `tensors` to rank `peer` of `group` under tags starting at `tag`, stamped with `stamp`;
 /// metadata only if `channel` has not passed this layout last. Returns the pending works.
 std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::Tensor>& tensors,
@@ -61,6 +78,17 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::T
                                                          const GroupPtr& group,
                                                          MessageStamp stamp,
                                                          Channel& channel);
+
+/// Sends, in place of the message `channel` would carry under `tag`, a failure marker and
+/// `failure` (the error, where it began and whether the group is still usable), so that the
+/// receive waiting for it raises PeerFailure. Returns the pending works (keep them alive).
+std::vector<c10::intrusive_ptr<c10d::Work>> send_failure(const PeerFailure& failure,
+                                                         int peer,
+                                                         int tag,
+                                                         const GroupPtr& group,
+                                                         MessageStamp stamp,
+                                                         const Channel& channel,
+                                                         at::Device device);
 
 /// A receive posted ahead (`post_recv`), finished when its tensors are needed (`finish_recv`).
 struct PendingRecv {
@@ -77,9 +105,9 @@ PendingRecv post_recv(
     int peer, int tag, const GroupPtr& group, at::Device device, const Channel& channel);
 
 /// Waits for `pending` and returns the tensors (views of one received buffer), updating
-/// `channel`. Raises if the metadata is malformed (a sender that is not a torch_mp pipeline
-/// stage) or a header carries another stamp than `expected` (a message of another step or
-/// Pipeline); `what` names the receive.
+/// `channel`. Raises PeerFailure if the peer sent a failure marker; raises if the metadata is
+/// malformed (a sender that is not a torch_mp pipeline stage) or a header carries another stamp
+/// than `expected` (a message of another step or Pipeline); `what` names the receive.
 std::vector<at::Tensor> finish_recv(PendingRecv& pending,
                                     const GroupPtr& group,
                                     at::Device device,

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 #include "torch_mp/collectives.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
 #include "torch_mp/layout.h"
@@ -98,6 +100,38 @@ void Pipeline::tie_parameters(std::vector<at::Tensor> parameters, GroupPtr embed
   }
   tied_ = std::move(parameters);
   embedding_group_ = std::move(embedding_group);
+}
+
+void Pipeline::reset(const StorePtr& store, const std::string& key) {
+  StorePtr base = store;
+  std::string name = key;
+  if (!base) {
+    const auto mesh = get_mesh();
+    TORCH_CHECK(mesh && mesh->store,
+                "Pipeline.reset: no store given and no default mesh with one; pass the store the "
+                "pipeline group's ranks share and a key for the group");
+    base = mesh->store;
+    const auto coord = mesh->shape.coord(mesh->rank);
+    name = "dp" + std::to_string(coord.dp) + "_tp" + std::to_string(coord.tp);
+  }
+  TORCH_CHECK(!name.empty(), "Pipeline.reset: the key must not be empty");
+  const GroupPtr& old = executor_->group();
+  std::chrono::milliseconds timeout(30000);
+  try {
+    timeout = old->getBackend(c10d::ProcessGroup::BackendType::GLOO)->getBackendOptions()->timeout;
+  } catch (const std::exception&) {
+    // A group without Gloo options keeps the default.
+  }
+  // Keys unique to this pipeline (its id is agreed over the group) and to this reset.
+  const std::string prefix = "torch_mp/pipeline_reset/" + name + "/" +
+                             std::to_string(executor_->id()) + "/" + std::to_string(++resets_);
+  auto group = new_process_group(c10::make_intrusive<c10d::PrefixStore>(prefix, base),
+                                 static_cast<int>(old->getRank()),
+                                 static_cast<int>(old->getSize()),
+                                 Backend::kGloo,
+                                 timeout,
+                                 "pipeline_reset");
+  executor_->reset(std::move(group));
 }
 
 std::optional<at::Tensor> Pipeline::step(const std::vector<at::Tensor>& inputs,

@@ -65,6 +65,14 @@ class Pipeline {
   /// holds both stages (share one parameter there instead).
   void tie_parameters(std::vector<at::Tensor> parameters, GroupPtr embedding_group = {});
 
+  /// Makes the pipeline usable again after a step that failed (on any rank); every rank of the
+  /// pipeline calls it. A timeout or a lost connection leaves Gloo's pairs closed, so the
+  /// pipeline moves to a fresh Gloo group of the same ranks, made over `store` under keys in
+  /// `key` (the same on the pipeline's ranks, and different for every pipeline group); without
+  /// them, over the default mesh's store for its pipeline group. The next step is exact:
+  /// nothing of the failed step's messages is taken for it.
+  void reset(const StorePtr& store = {}, const std::string& key = {});
+
   /// Checks every stage output, loss and input gradient for NaN and Inf (Executor).
   void set_check_finite(bool on) { executor_->set_check_finite(on); }
 
@@ -78,6 +86,7 @@ class Pipeline {
   std::unique_ptr<Executor> executor_;
   std::vector<at::Tensor> tied_;
   GroupPtr embedding_group_;
+  int64_t resets_ = 0;
 };
 
 }  // namespace torch_mp::pipeline
