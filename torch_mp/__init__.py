@@ -20,6 +20,7 @@ from torch_mp import (
     random,
     tensor_parallel,
 )
+from torch_mp.check_finite import check_finite
 from torch_mp.clip_grad import clip_grad_norm_
 from torch_mp.data_parallel import DataParallel
 from torch_mp.layout import ParameterLayout, layout_of, set_layout
@@ -52,6 +53,7 @@ __all__ = [
     "RowParallelConv2d",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "check_finite",
     "clip_grad_norm_",
     "data_parallel",
     "dense",
