@@ -61,6 +61,79 @@ bool is_send(const Action& a) {
   return a.kind == ActionKind::kSendForward || a.kind == ActionKind::kSendBackward;
 }
 
+// The message a receive takes: RECV_F(s,m) <- SEND_F(s-1,m), RECV_B(s,m) <- SEND_B(s+1,m); and
+// the receive a send feeds.
+Action sender_of(const Action& recv) {
+  return recv.kind == ActionKind::kRecvForward
+             ? Action{ActionKind::kSendForward, recv.stage - 1, recv.microbatch}
+             : Action{ActionKind::kSendBackward, recv.stage + 1, recv.microbatch};
+}
+
+Action receiver_of(const Action& send) {
+  return send.kind == ActionKind::kSendForward
+             ? Action{ActionKind::kRecvForward, send.stage + 1, send.microbatch}
+             : Action{ActionKind::kRecvBackward, send.stage - 1, send.microbatch};
+}
+
+// When `rank`'s sends are known to be complete: a send is, once a message arrives that its
+// peer sent after taking it. Gloo's send works do not say they completed until waited on, so
+// this is when their buffers can go (not at the end of the step). By index in lists[rank]: the
+// receive, then the sends it releases.
+std::map<size_t, std::vector<size_t>> sends_released_by(
+    const std::vector<std::vector<Action>>& lists, const Schedule& schedule, int64_t rank) {
+  std::vector<std::map<std::tuple<ActionKind, int64_t, int64_t>, size_t>> position(lists.size());
+  for (size_t r = 0; r < lists.size(); ++r) {
+    for (size_t i = 0; i < lists[r].size(); ++i) {
+      const Action& a = lists[r][i];
+      position[r][{a.kind, a.stage, a.microbatch}] = i;
+    }
+  }
+  auto at = [&](int64_t r, const Action& a) {
+    const auto it = position[r].find({a.kind, a.stage, a.microbatch});
+    return it == position[r].end() ? std::optional<size_t>() : std::optional<size_t>(it->second);
+  };
+  std::map<size_t, std::vector<size_t>> released;
+  const auto& mine = lists[rank];
+  for (size_t i = 0; i < mine.size(); ++i) {
+    if (!is_send(mine[i])) {
+      continue;
+    }
+    const Action taken = receiver_of(mine[i]);
+    const int64_t peer = schedule.rank_of_stage(taken.stage);
+    const auto taken_at = at(peer, taken);
+    if (!taken_at) {
+      continue;
+    }
+    for (size_t j = i + 1; j < mine.size(); ++j) {
+      if (!is_recv(mine[j])) {
+        continue;
+      }
+      const Action sent = sender_of(mine[j]);
+      if (schedule.rank_of_stage(sent.stage) != peer) {
+        continue;
+      }
+      const auto sent_at = at(peer, sent);
+      if (sent_at && *sent_at > *taken_at) {
+        released[j].push_back(i);
+        break;
+      }
+    }
+  }
+  return released;
+}
+
+// The forward half of an action list (evaluation).
+std::vector<Action> forward_only(const std::vector<Action>& actions) {
+  std::vector<Action> out;
+  for (const Action& a : actions) {
+    if (a.kind == ActionKind::kForward || a.kind == ActionKind::kSendForward ||
+        a.kind == ActionKind::kRecvForward) {
+      out.push_back(a);
+    }
+  }
+  return out;
+}
+
 // An exception's text without C++ backtrace.
 std::string text_of(const std::exception& e) {
   if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
@@ -156,6 +229,12 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
               " stage(s) on each rank");
   simulate(schedule_);  // raises, naming rank, step and action, if the schedule cannot run
   agree_on_id();
+  released_by_[1] = sends_released_by(schedule_.actions, schedule_, rank_);
+  std::vector<std::vector<Action>> forward_lists;
+  for (const auto& list : schedule_.actions) {
+    forward_lists.push_back(forward_only(list));
+  }
+  released_by_[0] = sends_released_by(forward_lists, schedule_, rank_);
   last_backward_.resize(stages_.size());
   const auto& mine = schedule_.actions[rank_];
   for (size_t i = 0; i < mine.size(); ++i) {
@@ -500,6 +579,7 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  const auto& released = released_by_[train ? 1 : 0];
   size_t index = 0;
   try {
     for (size_t i = 0; i < kRecvsAhead; ++i) {
@@ -520,6 +600,16 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
                                       recv_channels_[message_of(a)]);
           posted_recvs_.erase(index);
           post_next();
+          if (const auto it = released.find(index); it != released.end()) {
+            std::erase_if(pending_sends_, [&](const auto& send) {
+              if (std::find(it->second.begin(), it->second.end(), send.second) ==
+                  it->second.end()) {
+                return false;
+              }
+              send.first->wait();  // done already: the peer has answered since
+              return true;
+            });
+          }
           if (a.kind == ActionKind::kRecvForward) {
             slot.inputs = as_stage_inputs(received, train);
           } else {
@@ -557,8 +647,6 @@ std::optional<at::Tensor> Executor::run(const std::vector<Action>& actions,
           break;
       }
       trace_.push_back({rank_, a, began, seconds()});
-      // Let finished sends go, so that their tensors are freed as the schedule intends.
-      std::erase_if(pending_sends_, [](const auto& send) { return send.first->isCompleted(); });
     }
     for (auto& [work, send_index] : pending_sends_) {
       index = send_index;  // a send that fails names its action and peer
@@ -787,16 +875,10 @@ std::optional<at::Tensor> Executor::step(const std::vector<std::vector<at::Tenso
 std::pair<std::vector<at::Tensor>, std::optional<at::Tensor>> Executor::eval_step(
     const std::vector<std::vector<at::Tensor>>& inputs,
     const std::vector<std::vector<at::Tensor>>& targets) {
-  std::vector<Action> forward_only;
-  for (const Action& a : schedule_.actions[rank_]) {
-    if (a.kind == ActionKind::kForward || a.kind == ActionKind::kSendForward ||
-        a.kind == ActionKind::kRecvForward) {
-      forward_only.push_back(a);
-    }
-  }
   at::NoGradGuard no_grad;
   std::vector<std::vector<at::Tensor>> per_microbatch;
-  auto loss = run(forward_only, inputs, targets, /*train=*/false, &per_microbatch);
+  auto loss = run(
+      forward_only(schedule_.actions[rank_]), inputs, targets, /*train=*/false, &per_microbatch);
   std::vector<at::Tensor> outputs;
   for (size_t i = 0; !per_microbatch.empty() && i < per_microbatch[0].size(); ++i) {
     std::vector<at::Tensor> parts;

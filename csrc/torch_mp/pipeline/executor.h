@@ -156,6 +156,9 @@ class Executor {
   int64_t steps_run_ = 0;
   at::Device device_ = at::kCPU;
   std::map<std::pair<int64_t, int64_t>, Slot> slots_;
+  // For the forward-only [0] and the training [1] action lists: after which receive (by index)
+  // which sends are known to be complete, so that their buffers go then.
+  std::map<size_t, std::vector<size_t>> released_by_[2];
   // Sends in flight, with the index of their action.
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, size_t>> pending_sends_;
   // This step's receives posted ahead, by index in the action list: kRecvsAhead at a time, the
