@@ -13,6 +13,7 @@ import torch.distributed  # noqa: F401  (registers the c10d types the core uses)
 
 from torch_mp import (
     _C,  # noqa: F401
+    checkpoint,
     data_parallel,
     dense,
     functional,
@@ -54,6 +55,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "check_finite",
+    "checkpoint",
     "clip_grad_norm_",
     "data_parallel",
     "dense",

@@ -305,11 +305,26 @@ class ParallelMLP(SharesGroup, nn.Module):
         self.fc1.reset_parameters()
         self.fc2.reset_parameters()
 
-    def load_dense(self, fc1: nn.Linear, fc2: nn.Linear) -> None:
-        """Copies this rank's shards of the dense pair into the parameters."""
+    def load_dense(self, fc1: nn.Linear | MLP, fc2: nn.Linear | None = None) -> None:
+        """Copies this rank's shards of a :class:`torch_mp.dense.MLP` (or of its dense pair
+        ``fc1, fc2``) into the parameters."""
+        if isinstance(fc1, MLP):
+            fc1, fc2 = fc1.fc1, fc1.fc2
         name = self.group.group_name
         _C.load_dense_linear_(self.fc1.weight, self.fc1.bias, fc1.weight, fc1.bias, 0, name)
         _C.load_dense_linear_(self.fc2.weight, self.fc2.bias, fc2.weight, fc2.bias, 1, name)
+
+    def to_dense(self) -> MLP:
+        """Gathers the shards into a :class:`torch_mp.dense.MLP` on every rank (a collective)."""
+        mlp = MLP(
+            self.fc1.in_features,
+            self.fc1.out_features,
+            bias=self.fc1.bias is not None,
+            activation=self.activation,
+            dropout=self.dropout,
+        )
+        mlp.fc1, mlp.fc2 = self.fc1.to_dense(), self.fc2.to_dense()
+        return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         inner = _C.activation(self.fc1(x), self.activation)
@@ -419,6 +434,31 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
                 mine.weight.copy_(dense.weight)
                 if mine.bias is not None:
                     mine.bias.copy_(dense.bias)
+
+    def to_dense(self) -> nn.TransformerEncoderLayer:
+        """Gathers the layer into an ``nn.TransformerEncoderLayer`` on every rank (a
+        collective)."""
+        layer = nn.TransformerEncoderLayer(
+            self.self_attn.hidden_size,
+            self.self_attn.num_heads,
+            self.mlp.fc1.out_features,
+            self.dropout,
+            self.activation,
+            self.norm1.eps,
+            norm_first=self.norm_first,
+            bias=self.mlp.fc1.bias is not None,
+            device="meta",
+        )
+        weight = self.norm1.weight
+        layer.to_empty(device=weight.device)
+        layer.to(dtype=weight.dtype)
+        with torch.no_grad():
+            layer.self_attn.load_state_dict(self.self_attn.to_dense().state_dict())
+            layer.linear1.load_state_dict(self.mlp.fc1.to_dense().state_dict())
+            layer.linear2.load_state_dict(self.mlp.fc2.to_dense().state_dict())
+            layer.norm1.load_state_dict(self.norm1.state_dict())
+            layer.norm2.load_state_dict(self.norm2.state_dict())
+        return layer
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         # Sequence-parallel rows differ between ranks: the per-rank stream. Whole tensors are the
@@ -548,14 +588,38 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         )
         parallel.norm.eps, parallel.norm.momentum = block.norm.eps, block.norm.momentum
         _empty_like_dense(block, parallel)
-        name = parallel.group.group_name
-        for mine, dense, dim in (
-            (parallel.conv1, block.conv1, 0),
-            (parallel.conv2, block.conv2, 1),
-        ):
+        parallel.load_dense(block)
+        return parallel
+
+    def load_dense(self, block: ConvBlock) -> None:
+        """Copies this rank's channels of ``block`` (convolutions, BatchNorm parameters and
+        running statistics) into this block."""
+        name = self.group.group_name
+        for mine, dense, dim in ((self.conv1, block.conv1, 0), (self.conv2, block.conv2, 1)):
             _C.load_dense_linear_(mine.weight, mine.bias, dense.weight, dense.bias, dim, name)
         with torch.no_grad():
             for key in ("weight", "bias", "running_mean", "running_var"):
-                getattr(parallel.norm, key).copy_(_C.shard(getattr(block.norm, key), 0, name))
-            parallel.norm.num_batches_tracked.copy_(block.norm.num_batches_tracked)
-        return parallel
+                getattr(self.norm, key).copy_(_C.shard(getattr(block.norm, key), 0, name))
+            self.norm.num_batches_tracked.copy_(block.norm.num_batches_tracked)
+
+    def to_dense(self) -> ConvBlock:
+        """Gathers the block into a :class:`torch_mp.dense.ConvBlock` on every rank (a
+        collective), BatchNorm running statistics included."""
+        conv1 = self.conv1.to_dense()
+        block = ConvBlock(
+            conv1.in_channels,
+            conv1.out_channels,
+            self.conv2.out_channels,
+            conv1.kernel_size[0],
+            conv1.padding[0],
+            conv1.bias is not None,
+        )
+        block.conv1, block.conv2 = conv1, self.conv2.to_dense()
+        block.norm.eps, block.norm.momentum = self.norm.eps, self.norm.momentum
+        block.to(device=conv1.weight.device, dtype=conv1.weight.dtype)
+        with torch.no_grad():
+            for key in ("weight", "bias", "running_mean", "running_var"):
+                local = getattr(self.norm, key).detach()
+                getattr(block.norm, key).copy_(_C.gather_from_tp(local, self.group.group_name, 0))
+            block.norm.num_batches_tracked.copy_(self.norm.num_batches_tracked)
+        return block

@@ -111,10 +111,14 @@ class _ParallelConv2d(SharesGroup, nn.Module):
         )
         layer.to_empty(device=conv.weight.device)
         layer.to(dtype=conv.weight.dtype)
-        _C.load_dense_linear_(
-            layer.weight, layer.bias, conv.weight, conv.bias, cls._SHARD_DIM, layer.group.group_name
-        )
+        layer.load_dense(conv)
         return layer
+
+    def load_dense(self, conv: nn.Conv2d) -> None:
+        """Copies this rank's shard of a dense ``nn.Conv2d`` into the parameters."""
+        _C.load_dense_linear_(
+            self.weight, self.bias, conv.weight, conv.bias, self._SHARD_DIM, self.group.group_name
+        )
 
     def to_dense(self) -> nn.Conv2d:
         """Gathers the shards into a dense ``nn.Conv2d`` on every rank (a collective)."""

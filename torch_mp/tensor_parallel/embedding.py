@@ -104,8 +104,13 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
         )
         layer.to_empty(device=embedding.weight.device)
         layer.to(dtype=embedding.weight.dtype)
-        _C.load_dense_embedding_(layer.weight, embedding.weight, layer.group.group_name)
+        layer.load_dense(embedding)
         return layer
+
+    def load_dense(self, embedding: nn.Embedding) -> None:
+        """Copies this rank's rows of a dense ``nn.Embedding`` into the table (the padding rows
+        past ``num_embeddings`` become zeros)."""
+        _C.load_dense_embedding_(self.weight, embedding.weight, self.group.group_name)
 
     def to_dense(self) -> nn.Embedding:
         """Gathers the table into a dense ``nn.Embedding`` on every rank (a collective)."""

@@ -99,15 +99,14 @@ class _ParallelLinear(SharesGroup, nn.Module):
         )
         layer.to_empty(device=linear.weight.device)
         layer.to(dtype=linear.weight.dtype)
-        _C.load_dense_linear_(
-            layer.weight,
-            layer.bias,
-            linear.weight,
-            linear.bias,
-            layer._SHARD_DIM,
-            layer._group_name,
-        )
+        layer.load_dense(linear)
         return layer
+
+    def load_dense(self, linear: nn.Linear) -> None:
+        """Copies this rank's shard of a dense ``nn.Linear`` into the parameters."""
+        _C.load_dense_linear_(
+            self.weight, self.bias, linear.weight, linear.bias, self._SHARD_DIM, self._group_name
+        )
 
     def to_dense(self) -> nn.Linear:
         """Gathers the shards into a dense ``nn.Linear`` on every rank (a collective)."""

@@ -1,0 +1,249 @@
+"""Dense interchange: a model of any layout to and from one plain state dict, keyed as the dense
+model's ``state_dict`` is, in the safetensors format.
+
+A tensor-parallel module knows its dense counterpart: ``to_dense()`` gathers it (a collective
+over its group) and ``load_dense(dense)`` copies this rank's part back. Every other module's
+parameters and buffers are taken as they are (they are whole on every rank). Pipeline stages
+name their parameters as the stage does; ``rename`` maps those names to the dense model's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_mp.checkpoint.safetensors import load_file, save_file
+from torch_mp.layout import layout_of
+from torch_mp.mesh import Mesh, get_mesh
+
+Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
+
+
+def _is_parallel(module: nn.Module) -> bool:
+    return callable(getattr(module, "to_dense", None)) and callable(
+        getattr(module, "load_dense", None)
+    )
+
+
+def _renamer(rename: Rename) -> Callable[[str], str | None]:
+    """A callable from a callable, a mapping of name prefixes (longest first), or None."""
+    if rename is None:
+        return lambda name: name
+    if callable(rename):
+        return rename
+    prefixes = sorted(rename.items(), key=lambda item: -len(item[0]))
+
+    def by_prefix(name: str) -> str | None:
+        for old, new in prefixes:
+            if name.startswith(old):
+                return None if new is None else new + name[len(old) :]
+        return name
+
+    return by_prefix
+
+
+@dataclass
+class _Part:
+    """A module whose tensors are loaded together: a tensor-parallel one through its dense
+    twin, or a plain one's own parameters and buffers."""
+
+    module: nn.Module
+    prefix: str
+    twin: nn.Module | None  # the dense counterpart (tensor-parallel modules)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Dense-named tensors, relative to the prefix."""
+        if self.twin is not None:
+            return dict(self.twin.state_dict(keep_vars=True))
+        own = dict(self.module.named_parameters(recurse=False))
+        for name, buffer in self.module.named_buffers(recurse=False):
+            if name not in self.module._non_persistent_buffers_set and buffer is not None:
+                own[name] = buffer
+        return own
+
+
+def _parts(module: nn.Module, prefix: str = "") -> list[_Part]:
+    """Walks ``module``; gathers every tensor-parallel module's dense twin (a collective, in the
+    same order on every rank of its group)."""
+    if _is_parallel(module):
+        return [_Part(module, prefix, module.to_dense())]
+    part = _Part(module, prefix, None)
+    for name, tensor in part.tensors().items():
+        layout = layout_of(tensor) if isinstance(tensor, nn.Parameter) else None
+        if layout is not None and layout.shard_dim is not None:
+            raise RuntimeError(
+                f"torch_mp.checkpoint: {prefix}{name} of {type(module).__name__} is sharded "
+                f"along dim {layout.shard_dim}, and its module has no dense form (to_dense / "
+                "load_dense)"
+            )
+    parts = [part]
+    for name, child in module.named_children():
+        parts += _parts(child, f"{prefix}{name}.")
+    return parts
+
+
+def dense_state_dict(module: nn.Module, rename: Rename = None) -> dict[str, torch.Tensor]:
+    """``module``'s tensors as its dense counterpart holds them: tensor-parallel modules
+    gathered (a collective over each one's group), names mapped by ``rename`` (a callable
+    returning the dense name or None to leave a tensor out, or a mapping of name prefixes).
+
+    Returns:
+        Detached tensors (gathered ones are fresh; others are the module's own).
+    """
+    to_dense_name = _renamer(rename)
+    out: dict[str, torch.Tensor] = {}
+    for part in _parts(module):
+        for name, tensor in part.tensors().items():
+            dense = to_dense_name(part.prefix + name)
+            if dense is not None:
+                out[dense] = tensor.detach()
+    return out
+
+
+def load_dense_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    rename: Rename = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Loads a dense state dict into ``module`` of any layout: each tensor-parallel module takes
+    its rank's part, every other tensor is copied whole.
+
+    Collective over ``group`` (the world when None): every rank checks first that the dict
+    holds every tensor its modules need, with the right shapes, and if any rank finds one
+    missing or misshapen, every rank raises, naming them, before anything is changed.
+    """
+    to_dense_name = _renamer(rename)
+    parts = _parts(module)
+    problems = []
+    plan = []
+    for part in parts:
+        for name, target in part.tensors().items():
+            key = to_dense_name(part.prefix + name)
+            if key is None:
+                continue
+            if key not in state_dict:
+                problems.append(f"{key} (for {part.prefix}{name}) is missing")
+            elif tuple(state_dict[key].shape) != tuple(target.shape):
+                problems.append(
+                    f"{key} has shape {tuple(state_dict[key].shape)}, {part.prefix}{name} needs "
+                    f"{tuple(target.shape)}"
+                )
+            else:
+                plan.append((target, state_dict[key]))
+    _raise_anywhere(problems, "torch_mp.checkpoint: cannot load the dense state dict", group)
+    with torch.no_grad():
+        for target, value in plan:
+            target.copy_(value)
+        for part in parts:
+            if part.twin is not None:
+                part.module.load_dense(part.twin)
+
+
+def _raise_anywhere(problems: list[str], what: str, group: dist.ProcessGroup | None) -> None:
+    """Raises on every rank of ``group`` if any rank has problems (each naming its own, or the
+    first failing rank's)."""
+    if dist.is_available() and dist.is_initialized():
+        everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, problems, group=group)
+    else:
+        everyone = [problems]
+    failing = [(rank, found) for rank, found in enumerate(everyone) if found]
+    if not failing:
+        return
+    own = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    rank, found = (own, problems) if problems else failing[0]
+    shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
+    raise RuntimeError(f"{what} on rank {rank}: {shown}")
+
+
+def _modules_and_renames(
+    model: nn.Module | Sequence[nn.Module], rename: Rename | Sequence[Rename]
+) -> list[tuple[nn.Module, Rename]]:
+    modules = [model] if isinstance(model, nn.Module) else list(model)
+    if isinstance(rename, (list, tuple)):
+        if len(rename) != len(modules):
+            raise ValueError(
+                f"torch_mp.checkpoint: {len(rename)} renames for {len(modules)} modules"
+            )
+        return list(zip(modules, rename, strict=True))
+    return [(module, rename) for module in modules]
+
+
+def export_dense(
+    path: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    *,
+    rename: Rename | Sequence[Rename] = None,
+    mesh: Mesh | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """Writes the whole model as one dense state dict, in the safetensors format, to ``path``.
+
+    Collective over every rank of the mesh. ``model`` is this rank's module or its pipeline
+    stage modules; ``rename`` (one for all, or one per module) maps their parameter names to
+    the dense model's, so that the file's keys are what the dense model's ``load_state_dict``
+    takes. The tensor-parallel modules are gathered within each tensor group; one rank per
+    pipeline stage (tensor and data rank 0) sends its tensors to rank 0, which checks that
+    tensors named alike by several stages (a head tied to the embedding) are equal and writes
+    the file atomically (a crash leaves the previous file whole).
+
+    Returns:
+        The dense state dict on rank 0, None elsewhere.
+
+    Raises:
+        RuntimeError: On every rank, if two stages give one name different values.
+    """
+    mesh = mesh or get_mesh()
+    mine: dict[str, torch.Tensor] = {}
+    for module, module_rename in _modules_and_renames(model, rename):
+        for key, value in dense_state_dict(module, module_rename).items():
+            if key in mine and not torch.equal(mine[key], value):
+                raise RuntimeError(f"torch_mp.checkpoint: two modules give {key} different values")
+            mine[key] = value.cpu()
+    sends = mine if mesh.tp_rank == 0 and mesh.dp_rank == 0 else {}
+    rank = dist.get_rank()
+    gathered: list[dict[str, torch.Tensor]] | None = (
+        [{} for _ in range(dist.get_world_size())] if rank == 0 else None
+    )
+    dist.gather_object(sends, gathered, dst=0)
+    merged: dict[str, torch.Tensor] = {}
+    problems = []
+    if rank == 0:
+        owner: dict[str, int] = {}
+        for source, tensors in enumerate(gathered):
+            for key, value in tensors.items():
+                if key in merged and not torch.equal(merged[key], value):
+                    problems.append(f"{key} differs between ranks {owner[key]} and {source}")
+                merged.setdefault(key, value)
+                owner.setdefault(key, source)
+        if not problems:
+            try:
+                save_file(merged, path, dict(metadata or {}, format="torch_mp dense"))
+            except Exception as e:  # every rank must hear of it, not wait for rank 0
+                problems.append(f"writing {os.fspath(path)} failed: {type(e).__name__}: {e}")
+    _raise_anywhere(problems, "torch_mp.checkpoint.export_dense failed", None)
+    return merged if rank == 0 else None
+
+
+def load_dense(
+    path: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    *,
+    rename: Rename | Sequence[Rename] = None,
+) -> None:
+    """Loads a dense safetensors file (``export_dense``'s, or one written from a dense model's
+    ``state_dict``) into ``model`` of any layout: this rank's module or pipeline stages, with
+    ``rename`` as for :func:`export_dense`. Collective over every rank; every rank reads the
+    file. A missing or misshapen tensor raises on every rank, naming it, before anything
+    changes."""
+    tensors, _ = load_file(path)
+    pairs = _modules_and_renames(model, rename)
+    for module, module_rename in pairs:
+        load_dense_state_dict(module, tensors, module_rename)
