@@ -28,13 +28,13 @@ class DenseModel(nn.Module):
     """Embedding, transformer layers, norm, MLP, a conv block, and a head tied to the
     embedding (``tok.weight``)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, bias: bool = True) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.tok = nn.Embedding(VOCAB, HIDDEN)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(
-                HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu", norm_first=True
+                HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu", norm_first=True, bias=bias
             )
             for _ in range(LAYERS)
         )
@@ -48,7 +48,7 @@ class DenseModel(nn.Module):
 
 class Stage(nn.Module):
     """Part of ``DenseModel`` in tensor-parallel modules: the first stage holds the embedding,
-    the last the norm, MLP, conv block and a copy of the embedding as the head."""
+    the last the norm, MLP, conv block and the head (the embedding, tied)."""
 
     def __init__(self, dense: DenseModel, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -61,13 +61,17 @@ class Stage(nn.Module):
             self.norm = torch_mp.tensor_parallel.LayerNorm.from_dense(dense.norm)
             self.mlp = torch_mp.ParallelMLP.from_dense(dense.mlp)
             self.conv = torch_mp.ParallelConvBlock.from_dense(dense.conv)
-            self.head = torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
+            # The head is the embedding itself when one stage holds both, as in the dense
+            # model; otherwise a copy (a pipeline ties the two copies' gradients).
+            self.head = self.tok if first else torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
 
     def forward_all(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.mlp(self.norm(x)) @ self.head.weight.T
+        # Every rank's vocabulary rows see the same h: its gradient sums over the ranks.
+        h = torch_mp.functional.copy_to_tp(self.mlp(self.norm(x)))
+        return h @ self.head.weight.T
 
 
 def _stage_and_rename(dense: DenseModel, mesh) -> tuple[Stage, dict[str, str]]:

@@ -1,8 +1,10 @@
 """Checkpoints: a model of any layout (tensor x pipeline x data parallel) to and from files.
 
-So far the dense interchange: :func:`export_dense` writes the whole model as one plain state
-dict that the dense model's ``load_state_dict`` accepts (safetensors format), and
-:func:`load_dense` loads such a file into any layout.
+- :func:`save` / :func:`load`: a training checkpoint (model, optimizer state, extra) saved
+  from one layout and loaded into any other, crash-safe;
+- :func:`export_dense` writes the whole model as one plain state dict that the dense model's
+  ``load_state_dict`` accepts (safetensors format), and :func:`load_dense` loads such a file
+  into any layout.
 """
 
 from torch_mp.checkpoint.dense import (
@@ -12,12 +14,15 @@ from torch_mp.checkpoint.dense import (
     load_dense_state_dict,
 )
 from torch_mp.checkpoint.safetensors import load_file, save_file
+from torch_mp.checkpoint.save_load import load, save
 
 __all__ = [
     "dense_state_dict",
     "export_dense",
+    "load",
     "load_dense",
     "load_dense_state_dict",
     "load_file",
+    "save",
     "save_file",
 ]
