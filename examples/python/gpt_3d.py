@@ -37,8 +37,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_mp
+from torch_mp import checkpoint, pipeline
 from torch_mp import functional as tpf
-from torch_mp import pipeline
 
 # Losses agree to fp32 rounding of sums taken in other orders. Parameters after AdamW agree less
 # tightly: AdamW moves every element by lr * m / sqrt(v), so an element inherits the *relative*
@@ -160,6 +160,13 @@ class GPTStage(nn.Module):
         h = tpf.gather_from_sp(h) if self.sequence_parallel else tpf.copy_to_tp(h)
         return h @ self.head.weight.T
 
+    def dense_names(self) -> dict[str, str]:
+        """How this stage's names map to ``DenseGPT``'s, for torch_mp.checkpoint: its layers
+        renumbered, and the head, tied to the embedding, to the embedding's name."""
+        names = {f"layers.{j}.": f"layers.{i}." for j, i in enumerate(self.layer_ids)}
+        names["head.weight"] = "tok.weight"
+        return names
+
     def gathered(self) -> dict[str, torch.Tensor]:
         """This stage's parameters gathered into ``DenseGPT``'s names (a tensor-group
         collective); the head under the name ``head.weight``."""
@@ -273,6 +280,17 @@ class Trainer3D:
             out.update(stage.gathered())
         return out
 
+    def save(self, path: str, step: int) -> None:
+        """Saves the model and the optimizer in DenseGPT's names (every rank): loadable at
+        any other tp x pp x dp."""
+        renames = [stage.dense_names() for stage in self.stages]
+        checkpoint.save(path, self.stages, self.optimizer, {"step": step}, rename=renames)
+
+    def load(self, path: str) -> int:
+        """Loads a checkpoint saved at any layout; returns the step it was saved after."""
+        renames = [stage.dense_names() for stage in self.stages]
+        return checkpoint.load(path, self.stages, self.optimizer, rename=renames)["step"]
+
 
 class DenseTrainer:
     """The reference: the same model and batches on one process."""
@@ -327,6 +345,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=0.5, help="max gradient norm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="compare with a one-process run")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument("--checkpoint", default="checkpoints/gpt_3d", help="checkpoint directory")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from --checkpoint if it exists"
+    )
     return parser.parse_args(argv)
 
 
@@ -357,12 +380,20 @@ def main(argv: list[str] | None = None) -> int:
         )
     global_batch = args.batch * mesh.dp_size
     worst_loss = 0.0
+    first = 1
+    if args.resume and os.path.isdir(args.checkpoint):
+        first = trainer.load(args.checkpoint) + 1
+        if reference is not None:  # the one-process run replays the steps it missed
+            for step in range(1, first):
+                reference.step(*corpus.batch(step, global_batch, args.seq))
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} after step {first - 1}", flush=True)
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         inputs, target = corpus.batch(step, global_batch, args.seq)
         mine = slice(mesh.dp_rank * args.batch, (mesh.dp_rank + 1) * args.batch)
         loss = trainer.step(inputs[mine], target[mine])
-        tokens_per_s = global_batch * args.seq * step / (time.perf_counter() - start)
+        tokens_per_s = global_batch * args.seq * (step - first + 1) / (time.perf_counter() - start)
         line = progress(step, args.steps, loss, tokens_per_s)
         if reference is not None:
             expected = reference.step(inputs, target)
@@ -370,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             line += f"  (one process: {expected:.4f})"
         if rank == 0:
             print(line, flush=True)
+        if args.save_every and step % args.save_every == 0:
+            trainer.save(args.checkpoint, step)
     if reference is None:
         dist.destroy_process_group()
         return 0

@@ -149,3 +149,62 @@ def test_a_second_save_replaces_the_first_only_when_complete(tmp_path):
     world.run(_save, 2, path)
     world.run(_save, 1, path)  # over it: the old one goes only once the new one is in place
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+_SAVER = """
+import os, sys, datetime, torch, torch.distributed as dist
+import torch_mp
+from torch_mp import checkpoint
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+torch_mp.init()
+model = torch.nn.Linear(4, 4)
+checkpoint.save(sys.argv[1], model, extra="first")
+print("saved", flush=True)
+checkpoint.save(sys.argv[1], model, extra=torch.ones(64 << 20))  # 256 MiB to write
+print("saved again", flush=True)
+"""
+
+
+def _load_extra(path: str):
+    use_mesh(1)
+    return checkpoint.load(path, nn.Linear(4, 4))
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "ckpt"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(
+        os.environ,
+        PYTHONPATH=root,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
+    saver = subprocess.Popen(
+        [sys.executable, "-c", _SAVER, str(path)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert saver.stdout.readline().strip() == "saved"
+    deadline = time.monotonic() + 60
+    partial = []
+    while time.monotonic() < deadline and not partial:  # the second save has begun writing
+        partial = [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+        time.sleep(0.001)
+    saver.send_signal(signal.SIGKILL)
+    saver.wait(timeout=30)
+    assert partial, "the second save never started"
+    assert get_world(1).run(_load_extra, str(path)) == ["first"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

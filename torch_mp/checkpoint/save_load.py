@@ -30,8 +30,10 @@ from torch import nn
 
 from torch_mp.checkpoint.dense import (
     Rename,
+    _is_parallel,
     _modules_and_renames,
     _raise_anywhere,
+    _renamer,
     dense_state_dict,
     load_dense_state_dict,
 )
@@ -45,8 +47,17 @@ INDEX = "index.json"
 
 @contextlib.contextmanager
 def _swapped(values: dict[nn.Parameter, torch.Tensor]) -> Iterator[None]:
-    """Parameters temporarily holding other tensors of their shape (optimizer state), so that
-    the modules' dense conversions apply to those."""
+    """Parameters temporarily holding other tensors of their shape and dtype (optimizer state),
+    so that the modules' dense conversions apply to those. (Another dtype would make autograd
+    drop the parameters' gradient accumulators, and with them the hooks of data-parallel
+    gradient reduction.)"""
+    for p, value in values.items():
+        if value.dtype != p.dtype or value.shape != p.shape:
+            raise RuntimeError(
+                f"torch_mp.checkpoint: optimizer state of {value.dtype} {tuple(value.shape)} for "
+                f"a {p.dtype} {tuple(p.shape)} parameter: state in another dtype or shape than "
+                "its parameter is not supported yet"
+            )
     kept = {p: p.data for p in values}
     try:
         for p, value in values.items():
@@ -71,21 +82,32 @@ def _shaped_state(optimizer: torch.optim.Optimizer | None) -> list[str]:
 
 
 def _dense_names(module: nn.Module, rename: Rename) -> dict[nn.Parameter, str]:
-    """Each parameter of ``module`` that has a dense name, by identity: found by swapping in
-    marked tensors and seeing where they come out (the dense conversions move values, not
-    names). Collective over the tensor groups, like dense_state_dict."""
-    params = list(dict.fromkeys(module.parameters()))
-    base = 1e9 + 0.5  # parameters are marked base + i, in float64: no buffer holds such values
-    marks = {p: torch.full_like(p, base + i, dtype=torch.float64) for i, p in enumerate(params)}
-    with _swapped(marks):
-        dense = dense_state_dict(module, rename)
+    """Each parameter of ``module`` that has a dense name, by identity. A tensor-parallel
+    module's parameters are named as in its dense counterpart (its ``DENSE_NAMES`` prefixes,
+    the same names otherwise); the first name of a parameter shared under several is kept."""
+    to_dense_name = _renamer(rename)
     names: dict[nn.Parameter, str] = {}
-    for key, tensor in dense.items():
-        if tensor.dtype != torch.float64 or tensor.numel() == 0:
-            continue
-        index = tensor.reshape(-1)[0].item() - base
-        if index == int(index) and 0 <= index < len(params):
-            names.setdefault(params[int(index)], key)
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if _is_parallel(module):
+            mapping = sorted(getattr(module, "DENSE_NAMES", {}).items(), key=lambda kv: -len(kv[0]))
+            for local, p in module.named_parameters():
+                for old, new in mapping:
+                    if local.startswith(old):
+                        local = new + local[len(old) :]
+                        break
+                dense = to_dense_name(prefix + local)
+                if dense is not None:
+                    names.setdefault(p, dense)
+            return
+        for name, p in module.named_parameters(recurse=False):
+            dense = to_dense_name(prefix + name)
+            if dense is not None:
+                names.setdefault(p, dense)
+        for name, child in module.named_children():
+            walk(child, f"{prefix}{name}.")
+
+    walk(module, "")
     return names
 
 

@@ -167,6 +167,9 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         )
         _materialise(self, device, dtype)
 
+    # Parameter names in the dense counterpart (to_dense), by prefix (torch_mp.checkpoint).
+    DENSE_NAMES = {"qkv.": "in_proj_", "proj.": "out_proj."}
+
     def reset_parameters(self) -> None:
         """Draws an ``nn.MultiheadAttention`` (as it initialises itself) and keeps our heads."""
         self.load_dense(
@@ -434,6 +437,14 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
                 mine.weight.copy_(dense.weight)
                 if mine.bias is not None:
                     mine.bias.copy_(dense.bias)
+
+    # Parameter names in the dense counterpart (to_dense), by prefix (torch_mp.checkpoint).
+    DENSE_NAMES = {
+        "self_attn.qkv.": "self_attn.in_proj_",
+        "self_attn.proj.": "self_attn.out_proj.",
+        "mlp.fc1.": "linear1.",
+        "mlp.fc2.": "linear2.",
+    }
 
     def to_dense(self) -> nn.TransformerEncoderLayer:
         """Gathers the layer into an ``nn.TransformerEncoderLayer`` on every rank (a
