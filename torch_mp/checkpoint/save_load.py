@@ -174,8 +174,13 @@ def save(
         except Exception as e:  # every rank must hear of it
             problems.append(f"writing {name} failed: {type(e).__name__}: {e}")
     listing = [None] * dist.get_world_size()
-    dist.all_gather_object(listing, (name, sorted(tensors), others) if writes else None)
-    if dist.get_rank() == 0 and not problems:
+    dist.all_gather_object(listing, (name, sorted(tensors), others, problems) if writes else None)
+    failed = [f"rank {r}: {p}" for r, e in enumerate(listing) if e for p in e[3]]
+    if failed:  # no rank finishes a checkpoint that lacks a file: the previous one stays
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise RuntimeError(f"torch_mp.checkpoint.save failed: {'; '.join(failed)}")
+    if dist.get_rank() == 0:
         try:
             index = {
                 "format": FORMAT,
@@ -188,7 +193,7 @@ def save(
             for entry in listing:
                 if entry is None:
                     continue
-                file, keys, values = entry
+                file, keys, values, _ = entry
                 for key in keys:
                     index["files"].setdefault(key, file)
                 index["values"].update(values)
