@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "python/common.h"
+#include "torch_mp/checkpoint/safetensors.h"
 #include "torch_mp/collectives.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/tensor_parallel/linear.h"
@@ -54,6 +55,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
   torch_mp::python::bind_data_parallel(m);
   torch_mp::python::bind_pipeline(m);
+  {  // The C++ front end's safetensors reader and writer, for the tests that cross front ends.
+    auto ckpt = m.def_submodule("checkpoint", "The C++ checkpoint files");
+    ckpt.def("save_file",
+             &torch_mp::checkpoint::save_file,
+             py::arg("tensors"),
+             py::arg("path"),
+             py::arg("metadata") = std::map<std::string, std::string>{});
+    ckpt.def(
+        "load_file",
+        [](const std::string& path) {
+          std::map<std::string, std::string> metadata;
+          auto tensors = torch_mp::checkpoint::load_file(path, &metadata);
+          return std::make_pair(tensors, metadata);
+        },
+        py::arg("path"));
+  }
   torch_mp::python::bind_tensor_parallel(m);
 
   // ---- mesh ----

@@ -233,3 +233,35 @@ def test_a_write_killed_midway_leaves_the_previous_file_whole(tmp_path):
     tensors, _ = checkpoint.load_file(path)
     assert torch.equal(tensors["w"], previous["w"])  # the previous file, whole
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".tmp-")] == [path.name]
+
+
+def test_the_cpp_front_end_reads_and_writes_the_same_files(tmp_path):
+    # The C++ reader and writer (torch_mp/checkpoint/safetensors.h) against the Python ones.
+    from torch_mp import _C
+
+    tensors = {
+        "tok.weight": torch.randn(13, 8),
+        "layers.0.norm1.bias": torch.randn(8).to(torch.float16),
+        "count": torch.tensor(5, dtype=torch.int64),
+        "mask": torch.tensor([[True, False]]),
+        "empty": torch.empty(0, 3, dtype=torch.bfloat16),
+    }
+    from_python = tmp_path / "python.safetensors"
+    checkpoint.save_file(tensors, from_python, {"written by": "python"})
+    read, metadata = _C.checkpoint.load_file(str(from_python))
+    assert metadata == {"written by": "python"}
+    for key, value in tensors.items():
+        assert read[key].dtype == value.dtype and torch.equal(read[key], value), key
+    from_cpp = tmp_path / "cpp.safetensors"
+    _C.checkpoint.save_file(tensors, str(from_cpp), {"written by": "c++"})
+    read, metadata = checkpoint.load_file(from_cpp)
+    assert metadata == {"written by": "c++"}
+    for key, value in tensors.items():
+        assert read[key].dtype == value.dtype and torch.equal(read[key], value), key
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    for key, value in safetensors_torch.load_file(str(from_cpp)).items():
+        assert torch.equal(value, tensors[key]), key
+    with pytest.raises(RuntimeError, match="cut short"):
+        cut = tmp_path / "cut.safetensors"
+        cut.write_bytes(from_cpp.read_bytes()[:-4])
+        _C.checkpoint.load_file(str(cut))
