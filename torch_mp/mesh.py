@@ -68,6 +68,29 @@ def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timede
     return datetime.timedelta(seconds=float(timeout))
 
 
+def _elastic_store(timeout: datetime.timedelta | None) -> dict:
+    """Under torchrun's agent, the rendezvous of this launch attempt: the agent's store with a
+    prefix of the attempt. (torch's own env:// rendezvous leaves the keys of an earlier attempt
+    visible to Gloo, so after ``torchrun --max-restarts`` restarts the workers, they connect to
+    addresses of the dead attempt and fail.) Elsewhere, nothing: torch's env:// as it is."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout or datetime.timedelta(minutes=30),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"/torch_mp/attempt_{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": world_size,
+    }
+
+
 def init(
     tp: int = 1,
     pp: int = 1,
@@ -104,7 +127,7 @@ def init(
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if backend == "nccl" and local_rank < torch.cuda.device_count():
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(backend=backend, timeout=timeout, **_elastic_store(timeout))
     world = dist.group.WORLD
     # Agree on the request before acting on it, so that ranks that asked for different meshes
     # all raise instead of waiting for groups the others never create.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -350,6 +351,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume", action="store_true", help="continue from --checkpoint if it exists"
     )
+    parser.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=0,
+        help="kill rank 1 during this step, on the first launch only (to try --resume under "
+        "torchrun --max-restarts)",
+    )
     return parser.parse_args(argv)
 
 
@@ -392,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(first, args.steps + 1):
         inputs, target = corpus.batch(step, global_batch, args.seq)
         mine = slice(mesh.dp_rank * args.batch, (mesh.dp_rank + 1) * args.batch)
+        first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if step == args.fail_at_step and first_launch and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a machine failure would
         loss = trainer.step(inputs[mine], target[mine])
         tokens_per_s = global_batch * args.seq * (step - first + 1) / (time.perf_counter() - start)
         line = progress(step, args.steps, loss, tokens_per_s)

@@ -21,18 +21,21 @@ ROOT = Path(__file__).resolve().parents[2]
 _EXIT_RACE = "terminate called without an active exception"
 
 
-def _run_example(script: str, nproc: int, *args: str) -> str:
-    """Runs ``examples/python/<script>`` on ``nproc`` Gloo ranks; returns its stdout once it has
-    exited 0 and reported agreement with its reference."""
-    result = _launch(script, nproc, *args)
+def _run_example(script: str, nproc: int, *args: str, torchrun: tuple[str, ...] = ()) -> str:
+    """Runs ``examples/python/<script>`` on ``nproc`` Gloo ranks (``torchrun`` adds arguments
+    to torchrun's own); returns its stdout once it has exited 0 and reported agreement with its
+    reference."""
+    result = _launch(script, nproc, *args, torchrun=torchrun)
     if result.returncode != 0 and _EXIT_RACE in result.stderr and ": OK" in result.stdout:
-        result = _launch(script, nproc, *args)
+        result = _launch(script, nproc, *args, torchrun=torchrun)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "agreement with the one-process reference" in result.stdout and ": OK" in result.stdout
     return result.stdout
 
 
-def _launch(script: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
+def _launch(
+    script: str, nproc: int, *args: str, torchrun: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run(
         [
@@ -41,6 +44,7 @@ def _launch(script: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
             "torch.distributed.run",
             "--standalone",
             f"--nproc-per-node={nproc}",
+            *torchrun,
             str(ROOT / "examples/python" / script),
             *args,
         ],
@@ -81,3 +85,19 @@ def test_gpt_3d_example_under_torchrun(flags):
     stdout = _run_example("gpt_3d.py", 8, *flags, "--schedule", "1f1b", "--steps", "3", "--check")
     assert "tp=2 x pp=2 x dp=2 ranks, schedule 1f1b" in stdout
     assert "step 3/3  loss" in stdout and "tokens/s" in stdout
+
+
+def test_gpt_3d_killed_and_relaunched_by_torchrun_resumes_and_matches_one_process(tmp_path):
+    # Rank 1 is killed during step 5 of 6; torchrun (--max-restarts 1) relaunches both ranks,
+    # which resume from the checkpoint of step 4 and finish: the losses of every step and the
+    # final parameters agree with the uninterrupted one-process run (--check).
+    stdout = _run_example(
+        "gpt_3d.py",
+        2,
+        *("--pp", "2", "--steps", "6", "--save-every", "2", "--resume", "--fail-at-step", "5"),
+        *("--checkpoint", str(tmp_path / "ckpt"), "--check", "--layers", "2"),
+        *("--hidden", "16", "--heads", "2", "--ffn", "32", "--seq", "8", "--batch", "4"),
+        torchrun=("--max-restarts", "1"),
+    )
+    assert f"resumed from {tmp_path / 'ckpt'} after step 4" in stdout
+    assert "step 6/6" in stdout
