@@ -139,6 +139,7 @@ def save(
 
     tensors: dict[str, torch.Tensor] = {}
     others: dict[str, Any] = {}
+    problems: list[str] = []
     state_names = _shaped_state(optimizer)
     for module, module_rename in _modules_and_renames(model, rename):
         for key, value in dense_state_dict(module, module_rename).items():
@@ -146,6 +147,12 @@ def save(
         if optimizer is None:
             continue
         names = _dense_names(module, module_rename)
+        unknown = sorted(n for n in names.values() if f"model/{n}" not in tensors)
+        if unknown:  # a module whose to_dense names differ and that does not say how
+            problems.append(
+                f"no dense tensor is named {', '.join(unknown[:4])}: does a tensor-parallel "
+                "module lack DENSE_NAMES?"
+            )
         for state_name in state_names:
             swap = {}
             for p in names:
@@ -165,8 +172,7 @@ def save(
                 else:
                     others[f"optim/{key}/{state_name}"] = value
 
-    problems = []
-    writes = mesh.tp_rank == 0 and mesh.dp_rank == 0
+    writes = mesh.tp_rank == 0 and mesh.dp_rank == 0 and not problems
     name = f"stage-{mesh.pp_rank}.safetensors"
     if writes:
         try:
@@ -174,8 +180,9 @@ def save(
         except Exception as e:  # every rank must hear of it
             problems.append(f"writing {name} failed: {type(e).__name__}: {e}")
     listing = [None] * dist.get_world_size()
-    dist.all_gather_object(listing, (name, sorted(tensors), others, problems) if writes else None)
-    failed = [f"rank {r}: {p}" for r, e in enumerate(listing) if e for p in e[3]]
+    mine = (name, sorted(tensors), others, problems) if writes else (None, [], {}, problems)
+    dist.all_gather_object(listing, mine)
+    failed = [f"rank {r}: {p}" for r, e in enumerate(listing) for p in e[3]]
     if failed:  # no rank finishes a checkpoint that lacks a file: the previous one stays
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -190,10 +197,9 @@ def save(
                 "values": {},
                 "param_groups": _hyperparameters(optimizer),
             }
-            for entry in listing:
-                if entry is None:
+            for file, keys, values, _ in listing:
+                if file is None:
                     continue
-                file, keys, values, _ = entry
                 for key in keys:
                     index["files"].setdefault(key, file)
                 index["values"].update(values)
