@@ -15,10 +15,19 @@ on this repository's README with AdamW and gradient clipping.
   wrapped in ``torch_mp.DataParallel`` (or, with ``--ddp``, PyTorch's DistributedDataParallel)
   and the gradients are averaged once per step.
 
+- Checkpoints (``--save-every N --checkpoint DIR``, ``--resume``): model and AdamW state in the
+  dense model's names (torch_mp.checkpoint), so a run saved at one layout resumes at another.
+
 Run on CPU with Gloo (tp * pp * dp processes)::
 
     torchrun --standalone --nproc-per-node=8 examples/python/gpt_3d.py \\
         --tp 2 --pp 2 --dp 2 --schedule 1f1b --check
+
+Killed and relaunched, it continues from its last checkpoint (``--fail-at-step`` kills rank 1
+once, to try it)::
+
+    torchrun --standalone --nproc-per-node=2 --max-restarts 1 examples/python/gpt_3d.py \\
+        --pp 2 --save-every 2 --resume --fail-at-step 5 --check
 """
 
 from __future__ import annotations

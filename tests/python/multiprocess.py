@@ -21,7 +21,8 @@ GROUP_TIMEOUT_S = 20  # every collective in the workers; a hang becomes an error
 RUN_TIMEOUT_S = 120  # one test body on all ranks
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -63,7 +64,7 @@ class World:
         self.size = size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(size)]
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(target=_worker, args=(r, size, port, self._tasks[r], self._results))
             for r in range(size)

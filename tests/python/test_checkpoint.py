@@ -8,6 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 from conftest import get_world
+from multiprocess import free_port
 from reference import error_of, use_mesh
 from test_checkpoint_dense import VOCAB, DenseModel, _stage_and_rename
 from torch import nn
@@ -182,7 +183,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
         os.environ,
         PYTHONPATH=root,
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         RANK="0",
         WORLD_SIZE="1",
         LOCAL_RANK="0",
@@ -200,11 +201,3 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path):
     saver.wait(timeout=30)
     assert partial, "the second save never started"
     assert get_world(1).run(_load_extra, str(path)) == ["first"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

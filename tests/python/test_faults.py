@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from multiprocess import free_port
 from reference import assert_close, rank_tensor, use_mesh
 from torch import nn
 
@@ -157,16 +157,10 @@ def test_a_rank_that_had_finished_still_learns_of_a_later_failure(world2):
 # ---- Deaths and stalls: processes of their own --------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(case: str, world_size: int, timeout_s: float, deadline_s: float) -> dict[int, dict]:
     """Runs fault_worker.py's ``case`` on ``world_size`` fresh processes; returns the JSON each
     rank printed (the dead rank prints none). Kills everything past ``deadline_s``."""
-    port = _free_port()
+    port = free_port()
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     procs = []

@@ -413,20 +413,24 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         )
         _materialise(self, device, dtype)
 
+    def _dense_layer(self, device=None) -> nn.TransformerEncoderLayer:
+        """An ``nn.TransformerEncoderLayer`` with this layer's arguments (drawn as it draws
+        itself; on ``"meta"`` for a shape to fill)."""
+        return nn.TransformerEncoderLayer(
+            self.self_attn.hidden_size,
+            self.self_attn.num_heads,
+            self.mlp.fc1.out_features,
+            self.dropout,
+            self.activation,
+            self.norm1.eps,
+            norm_first=self.norm_first,
+            bias=self.mlp.fc1.bias is not None,
+            device=device,
+        )
+
     def reset_parameters(self) -> None:
         """Draws an ``nn.TransformerEncoderLayer`` with these arguments and keeps our part."""
-        self.load_dense(
-            nn.TransformerEncoderLayer(
-                self.self_attn.hidden_size,
-                self.self_attn.num_heads,
-                self.mlp.fc1.out_features,
-                self.dropout,
-                self.activation,
-                self.norm1.eps,
-                norm_first=self.norm_first,
-                bias=self.mlp.fc1.bias is not None,
-            )
-        )
+        self.load_dense(self._dense_layer())
 
     def load_dense(self, layer: nn.TransformerEncoderLayer) -> None:
         """Copies this rank's part of ``layer`` into the parameters."""
@@ -449,17 +453,7 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
     def to_dense(self) -> nn.TransformerEncoderLayer:
         """Gathers the layer into an ``nn.TransformerEncoderLayer`` on every rank (a
         collective)."""
-        layer = nn.TransformerEncoderLayer(
-            self.self_attn.hidden_size,
-            self.self_attn.num_heads,
-            self.mlp.fc1.out_features,
-            self.dropout,
-            self.activation,
-            self.norm1.eps,
-            norm_first=self.norm_first,
-            bias=self.mlp.fc1.bias is not None,
-            device="meta",
-        )
+        layer = self._dense_layer(device="meta")
         weight = self.norm1.weight
         layer.to_empty(device=weight.device)
         layer.to(dtype=weight.dtype)

@@ -760,16 +760,7 @@ void Executor::fail(const std::vector<Action>& actions, size_t index, const Peer
       }
     }
   }
-  // What was in flight stays alive with the group (see orphans_).
-  for (auto& [work, send_index] : pending_sends_) {
-    orphans_.push_back(work);
-  }
-  pending_sends_.clear();
-  for (auto& [i, pending] : posted_recvs_) {
-    orphans_.push_back(pending.work);
-  }
-  posted_recvs_.clear();
-  slots_.clear();
+  abandon_in_flight();
   if (!failure.group_broken) {
     try {
       agree(failure);
@@ -837,6 +828,18 @@ void Executor::agree(const std::optional<PeerFailure>& failure) {
   }
 }
 
+void Executor::abandon_in_flight() {
+  for (auto& [work, send_index] : pending_sends_) {
+    orphans_.push_back(work);
+  }
+  pending_sends_.clear();
+  for (auto& [i, pending] : posted_recvs_) {
+    orphans_.push_back(pending.work);
+  }
+  posted_recvs_.clear();
+  slots_.clear();
+}
+
 void Executor::reset(GroupPtr group) {
   if (group && group != group_) {
     TORCH_CHECK(group->getSize() == group_->getSize() && group->getRank() == group_->getRank(),
@@ -851,15 +854,7 @@ void Executor::reset(GroupPtr group) {
     old_groups_.push_back(std::move(group_));
     group_ = std::move(group);
   }
-  for (auto& [work, send_index] : pending_sends_) {
-    orphans_.push_back(work);
-  }
-  pending_sends_.clear();
-  for (auto& [i, pending] : posted_recvs_) {
-    orphans_.push_back(pending.work);
-  }
-  posted_recvs_.clear();
-  slots_.clear();
+  abandon_in_flight();
   send_channels_.clear();
   recv_channels_.clear();
   agree_on_id();

@@ -48,7 +48,7 @@ using LossFn =
 /// receives no gradient.
 class Executor {
  public:
-  /// `stages` are this rank's stages in increasing stage order (stages r, r + p, r + 2p, ...).
+  /// `stages` are this rank's stages in increasing stage order (Schedule::stages_of_rank).
   /// Checks that `schedule` runs (simulate), fits `group` and `stages`, and is the same on every
   /// rank of `group`; raises otherwise.
   Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, GroupPtr group);
@@ -129,6 +129,9 @@ class Executor {
   // Posts the receive at `index` of `actions`.
   void post(const std::vector<Action>& actions, size_t index);
   std::string where(const Action& a) const;
+  // Drops the step's slots, keeping its in-flight sends and receives alive in orphans_ (a
+  // failed step, reset): Gloo may still touch their buffers.
+  void abandon_in_flight();
   // Agrees on pipeline_id_ over the group (the constructor and reset).
   void agree_on_id();
   // Raises, on every rank, if another rank's step failed: one all-reduce of where failures
