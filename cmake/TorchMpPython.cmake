@@ -7,6 +7,7 @@ find_library(TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/li
 
 Python3_add_library(_C MODULE WITH_SOABI
   csrc/python/bindings.cpp
+  csrc/python/checkpoint_bindings.cpp
   csrc/python/data_parallel_bindings.cpp
   csrc/python/pipeline_bindings.cpp
   csrc/python/tensor_parallel_bindings.cpp

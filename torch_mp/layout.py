@@ -28,8 +28,9 @@ def layout_of(parameter: torch.Tensor) -> ParameterLayout | None:
     Returns:
         A :class:`ParameterLayout` (``shard_dim``: the dense tensor's dim split over the group,
         None when replicated; ``group_name``; ``tied_copy``: the last stage's copy of a tied
-        parameter), or None for a parameter no torch_mp layer made; those count as replicated
-        over the tensor-parallel group.
+        parameter; ``parts`` and ``dense_size`` as in :func:`set_layout`), or None for a
+        parameter no torch_mp layer made; those count as replicated over the tensor-parallel
+        group.
     """
     return _C.layout_of(parameter)
 
@@ -38,6 +39,9 @@ def set_layout(
     parameter: torch.Tensor,
     shard_dim: int | None = None,
     group: dist.ProcessGroup | None = None,
+    *,
+    parts: int = 1,
+    dense_size: int | None = None,
 ) -> None:
     """Records the layout of a parameter of your own module.
 
@@ -46,10 +50,14 @@ def set_layout(
         shard_dim: The dense tensor's dim that is split across ``group`` (chunk ``rank`` on each
             rank); None when every rank of ``group`` holds the whole tensor.
         group: The group it is sharded or replicated over; the default mesh's tensor group.
+        parts: How many equal parts the sharded dim holds, each split over ``group`` on its
+            own (3 for a fused Q/K/V weight whose rows are this rank's rows of Q, of K, of V).
+        dense_size: The dense tensor's size along ``shard_dim`` when the shards are padded
+            past it (a vocabulary not divisible by the group); None when they tile it.
 
     Note:
         Record it again if you replace the parameter's tensor (torch_mp's own modules do so
         themselves after ``to``, ``to_empty``, ``load_state_dict(assign=True)`` and deepcopy).
     """
     group = group if group is not None else get_mesh().tp_group
-    _C.set_layout(parameter, shard_dim, group.group_name)
+    _C.set_layout(parameter, shard_dim, group.group_name, parts, dense_size)

@@ -4,7 +4,6 @@
 #include <torch/extension.h>
 
 #include "python/common.h"
-#include "torch_mp/checkpoint/safetensors.h"
 #include "torch_mp/collectives.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/tensor_parallel/linear.h"
@@ -15,6 +14,7 @@ namespace py = pybind11;
 namespace tp = torch_mp::tensor_parallel;
 
 namespace torch_mp::python {
+void bind_checkpoint(py::module_& parent);       // checkpoint_bindings.cpp
 void bind_data_parallel(py::module_& parent);    // data_parallel_bindings.cpp
 void bind_pipeline(py::module_& parent);         // pipeline_bindings.cpp
 void bind_tensor_parallel(py::module_& module);  // tensor_parallel_bindings.cpp
@@ -55,22 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
   torch_mp::python::bind_data_parallel(m);
   torch_mp::python::bind_pipeline(m);
-  {  // The C++ front end's safetensors reader and writer, for the tests that cross front ends.
-    auto ckpt = m.def_submodule("checkpoint", "The C++ checkpoint files");
-    ckpt.def("save_file",
-             &torch_mp::checkpoint::save_file,
-             py::arg("tensors"),
-             py::arg("path"),
-             py::arg("metadata") = std::map<std::string, std::string>{});
-    ckpt.def(
-        "load_file",
-        [](const std::string& path) {
-          std::map<std::string, std::string> metadata;
-          auto tensors = torch_mp::checkpoint::load_file(path, &metadata);
-          return std::make_pair(tensors, metadata);
-        },
-        py::arg("path"));
-  }
+  torch_mp::python::bind_checkpoint(m);
   torch_mp::python::bind_tensor_parallel(m);
 
   // ---- mesh ----

@@ -57,6 +57,8 @@ void bind_data_parallel(py::module_& parent) {
   py::class_<ParameterLayout>(parent, "ParameterLayout", "How a parameter lies on the mesh.")
       .def_readonly("shard_dim", &ParameterLayout::shard_dim)
       .def_readonly("tied_copy", &ParameterLayout::tied_copy)
+      .def_readonly("parts", &ParameterLayout::parts)
+      .def_readonly("dense_size", &ParameterLayout::dense_size)
       .def_property_readonly("is_sharded", &ParameterLayout::is_sharded)
       .def_property_readonly("group_name",
                              [](const ParameterLayout& l) -> std::optional<std::string> {
@@ -74,12 +76,17 @@ void bind_data_parallel(py::module_& parent) {
       "set_layout",
       [](const at::Tensor& parameter,
          std::optional<int64_t> shard_dim,
-         const std::optional<std::string>& group) {
-        set_layout(parameter, ParameterLayout{shard_dim, resolve_optional(group)});
+         const std::optional<std::string>& group,
+         int64_t parts,
+         std::optional<int64_t> dense_size) {
+        set_layout(parameter,
+                   ParameterLayout{shard_dim, resolve_optional(group), false, parts, dense_size});
       },
       py::arg("parameter"),
       py::arg("shard_dim"),
-      py::arg("group"));
+      py::arg("group"),
+      py::arg("parts") = 1,
+      py::arg("dense_size") = std::nullopt);
   parent.def(
       "set_weight_and_bias_layout",
       [](const at::Tensor& weight,

@@ -14,6 +14,8 @@ struct Entry {
   std::optional<int64_t> shard_dim;
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
   bool tied_copy = false;
+  int64_t parts = 1;
+  std::optional<int64_t> dense_size = std::nullopt;
 };
 
 std::mutex registry_mutex;
@@ -37,6 +39,12 @@ void set_layout(const at::Tensor& parameter, ParameterLayout layout) {
               layout.shard_dim.value_or(-1),
               " is out of range for a parameter of shape ",
               parameter.sizes());
+  TORCH_CHECK(layout.parts >= 1 &&
+                  (!layout.shard_dim || parameter.size(*layout.shard_dim) % layout.parts == 0),
+              "torch_mp.set_layout: ",
+              layout.parts,
+              " parts do not divide a parameter of shape ",
+              parameter.sizes());
   std::lock_guard<std::mutex> lock(registry_mutex);
   static size_t inserts = 0;
   if (++inserts % 1024 == 0) {
@@ -48,7 +56,9 @@ void set_layout(const at::Tensor& parameter, ParameterLayout layout) {
       Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(parameter.getIntrusivePtr()),
             layout.shard_dim,
             c10::weak_intrusive_ptr<c10d::ProcessGroup>(layout.group),
-            layout.tied_copy});
+            layout.tied_copy,
+            layout.parts,
+            layout.dense_size});
 }
 
 void set_sharded(const at::Tensor& parameter, int64_t dim, const GroupPtr& group) {
@@ -84,7 +94,8 @@ std::optional<ParameterLayout> layout_of(const at::Tensor& parameter) {
   if (it == registry().end() || it->second.tensor.expired()) {
     return std::nullopt;
   }
-  return ParameterLayout{it->second.shard_dim, it->second.group.lock(), it->second.tied_copy};
+  const Entry& e = it->second;
+  return ParameterLayout{e.shard_dim, e.group.lock(), e.tied_copy, e.parts, e.dense_size};
 }
 
 }  // namespace torch_mp

@@ -27,6 +27,13 @@ struct ParameterLayout {
   /// A copy of a parameter that another pipeline stage holds too (the output head tied to the
   /// input embedding): its gradient is summed with the original's, and norms count it once.
   bool tied_copy = false;
+  /// How many equal parts the sharded dim holds, each split over `group` on its own: 3 for a
+  /// fused Q/K/V weight, whose local rows are this rank's rows of Q, then of K, then of V.
+  int64_t parts = 1;
+  /// The dense tensor's size along `shard_dim`, when the shards are padded past it (a vocabulary
+  /// not divisible by the group: the last ranks' rows past it are padding); nullopt: the shards
+  /// tile it exactly (parts * group size * local size / parts).
+  std::optional<int64_t> dense_size = std::nullopt;
 
   bool is_sharded() const { return shard_dim.has_value(); }
 };

@@ -1,6 +1,8 @@
 #pragma once
 // torch_mp for LibTorch applications: include this one header and link torch_mp::torch_mp.
 
+#include "torch_mp/checkpoint/checkpoint.h"          // IWYU pragma: export
+#include "torch_mp/checkpoint/safetensors.h"         // IWYU pragma: export
 #include "torch_mp/clip_grad.h"                      // IWYU pragma: export
 #include "torch_mp/collectives.h"                    // IWYU pragma: export
 #include "torch_mp/data_parallel/data_parallel.h"    // IWYU pragma: export

@@ -409,7 +409,6 @@ TEST_P(ScheduleStructure, EveryStageAndMicrobatchHasOneForwardAndOneBackward) {
 }
 
 TEST_P(ScheduleStructure, EveryActionSitsOnTheRankOfItsStage) {
-  const auto& c = GetParam();
   const Schedule s = generate();
   for (int64_t r = 0; r < s.num_ranks(); ++r) {
     for (const Action& a : s.actions[r]) {

@@ -71,12 +71,17 @@ def _load_and_step(tp: int, path: str) -> tuple[float, float, dict]:
     extra = checkpoint.load(path, stage, optimizer, rename=rename)
     assert optimizer.param_groups[0]["lr"] == LR
     moments_expected, weights_expected = _reference()
-    names = checkpoint.save_load._dense_names(stage, rename)
-    swap = {p: optimizer.state[p]["exp_avg"] for p in names if p in optimizer.state}
-    with checkpoint.save_load._swapped(swap):
-        moments = checkpoint.dense_state_dict(stage, rename)
+    # The moments as loaded at this layout: saved again from it, joined into dense tensors.
+    again = f"{path}-again-{tp}"
+    checkpoint.save(again, stage, optimizer, rename=rename)
+    dense = f"{again}-{dist.get_rank()}.safetensors"
+    checkpoint.consolidate(again, dense, prefix="optim/")
+    moments = checkpoint.load_file(dense)[0]  # "<name>/<state>"
+    saved = sorted(k.rsplit("/", 1)[0] for k in moments if k.endswith("/exp_avg"))
+    assert saved == sorted(moments_expected)
     worst_moment = max(
-        (moments[names[p]] - moments_expected[names[p]]).abs().max().item() for p in swap
+        (moments[f"{name}/exp_avg"] - expected).abs().max().item()
+        for name, expected in moments_expected.items()
     )
     _parallel_step(stage, optimizer, TARGETS[1])
     weights = checkpoint.dense_state_dict(stage, rename)
@@ -96,7 +101,13 @@ def test_saved_at_one_tensor_layout_the_next_step_equals_the_dense_one_at_any_ot
     world = get_world(4)
     path = str(tmp_path / "ckpt")
     world.run(_save, 2, path)
-    assert sorted(os.listdir(path)) == ["extra.pt", "index.json", "stage-0.safetensors"]
+    # Every tensor rank writes its own parts; the data-parallel replicas write nothing.
+    assert sorted(os.listdir(path)) == [
+        "extra.pt",
+        "index.json",
+        "shard-0-0.safetensors",
+        "shard-0-1.safetensors",
+    ]
     for tp in (4, 2, 1):
         for moment, weight, extra in world.run(_load_and_step, tp, path):
             assert moment < 1e-6, (tp, moment)
@@ -121,8 +132,10 @@ def test_pipeline_stages_save_their_own_files_and_load_back(tmp_path):
     assert sorted(os.listdir(path)) == [
         "extra.pt",
         "index.json",
-        "stage-0.safetensors",
-        "stage-1.safetensors",
+        "shard-0-0.safetensors",
+        "shard-0-1.safetensors",
+        "shard-1-0.safetensors",
+        "shard-1-1.safetensors",
     ]
 
 
@@ -136,9 +149,9 @@ def test_an_incomplete_checkpoint_is_refused_naming_what_is_missing(tmp_path):
     world = get_world(2)
     path = str(tmp_path / "ckpt")
     world.run(_save, 2, path)
-    os.remove(os.path.join(path, "stage-0.safetensors"))
+    os.remove(os.path.join(path, "shard-0-1.safetensors"))
     for message in world.run(_refused, path):
-        assert "incomplete checkpoint" in message and "lacks stage-0.safetensors" in message
+        assert "cannot read" in message and "lacks shard-0-1.safetensors" in message
     os.remove(os.path.join(path, "index.json"))  # as a save killed before its end leaves it
     for message in world.run(_refused, path):
         assert "has no index.json: the save that wrote it did not finish" in message

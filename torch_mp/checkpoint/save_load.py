@@ -1,114 +1,101 @@
 """Training checkpoints: model, optimizer state and extra, saved from one layout and loaded into
-any other (tensor x pipeline x data parallel), crash-safe.
+any other (tensor x pipeline x data parallel), crash-safe; the format of the C++ core
+(``csrc/torch_mp/checkpoint/shards.h``), which the C++ front end reads and writes too.
 
-Layout on disk: a directory holding one safetensors file per pipeline stage rank (written by
-that stage's tensor and data rank 0, with the stage's tensors in the dense model's names,
-gathered over its tensor group only), ``extra.pt`` and, written last, ``index.json``: which
-file holds which tensor, the optimizer's hyperparameters, the mesh it was saved from. The
-directory is built under a temporary name and renamed into place when every rank is done, so
-a save killed at any point leaves the previous checkpoint loadable; a directory without its
-index (or with a file missing) is refused, naming what is missing.
+On disk, a directory: one safetensors file per pipeline and tensor rank (``shard-<pp>-<tp>``,
+written by data rank 0), holding that rank's parts of its tensors in the dense model's names
+(the blocks of a sharded tensor it holds, keyed ``<name>@<dim>:<first index>``; a replicated
+tensor whole, from tensor rank 0), ``extra.pt`` and, written last, ``index.json``. No rank
+gathers another's tensors: each writes its own, and a load reads only the blocks that overlap
+what it holds, so any layout reads what any other wrote.
 
-Optimizer state is kept per parameter, in the parameter's dense name: a state tensor shaped
-like its parameter (Adam's moments) is resharded with it, anything else (a step count) is
-taken as it is.
+Optimizer state is kept per parameter, as ``optim/<dense name>/<state>``: a state tensor shaped
+like its parameter (Adam's moments) is laid out, and resharded, as the parameter; anything else
+(a step count) is kept whole.
 """
 
 from __future__ import annotations
 
-import contextlib
+import io
 import json
 import os
-import shutil
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_mp import _C
 from torch_mp.checkpoint.dense import (
     Rename,
     _is_parallel,
     _modules_and_renames,
     _raise_anywhere,
     _renamer,
-    dense_state_dict,
-    load_dense_state_dict,
 )
-from torch_mp.checkpoint.safetensors import load_file, save_file
 from torch_mp.mesh import Mesh, get_mesh
 
-FORMAT = "torch_mp checkpoint"
-VERSION = 1
-INDEX = "index.json"
+EXTRA = "extra.pt"
 
 
-@contextlib.contextmanager
-def _swapped(values: dict[nn.Parameter, torch.Tensor]) -> Iterator[None]:
-    """Parameters temporarily holding other tensors of their shape and dtype (optimizer state),
-    so that the modules' dense conversions apply to those. (Another dtype would make autograd
-    drop the parameters' gradient accumulators, and with them the hooks of data-parallel
-    gradient reduction.)"""
-    for p, value in values.items():
-        if value.dtype != p.dtype or value.shape != p.shape:
-            raise RuntimeError(
-                f"torch_mp.checkpoint: optimizer state of {value.dtype} {tuple(value.shape)} for "
-                f"a {p.dtype} {tuple(p.shape)} parameter: state in another dtype or shape than "
-                "its parameter is not supported yet"
-            )
-    kept = {p: p.data for p in values}
-    try:
-        for p, value in values.items():
-            p.data = value
-        yield
-    finally:
-        for p, data in kept.items():
-            p.data = data
+def _world_name() -> str:
+    return dist.distributed_c10d._get_default_group().group_name
 
 
-def _shaped_state(optimizer: torch.optim.Optimizer | None) -> list[str]:
-    """The names of the optimizer's state tensors that are shaped like their parameter (Adam's
-    moments), which are resharded with it."""
-    if optimizer is None:
-        return []
-    names: set[str] = set()
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
-                names.add(key)
-    return sorted(names)
-
-
-def _dense_names(module: nn.Module, rename: Rename) -> dict[nn.Parameter, str]:
-    """Each parameter of ``module`` that has a dense name, by identity. A tensor-parallel
-    module's parameters are named as in its dense counterpart (its ``DENSE_NAMES`` prefixes,
-    the same names otherwise); the first name of a parameter shared under several is kept."""
+def _dense_tensors(module: nn.Module, rename: Rename) -> list[tuple[str, torch.Tensor, bool]]:
+    """``module``'s parameters and persistent buffers in the dense model's names, with whether
+    each is a parameter; a tensor reached under several names once. A tensor-parallel module's
+    tensors are named as in its dense counterpart (its ``DENSE_NAMES`` prefixes, the same names
+    otherwise), then ``rename`` applies."""
     to_dense_name = _renamer(rename)
-    names: dict[nn.Parameter, str] = {}
+    found: list[tuple[str, torch.Tensor, bool]] = []
+
+    def own(module: nn.Module, recurse: bool):
+        yield from ((n, p, True) for n, p in module.named_parameters(recurse=recurse))
+        for name, buffer in module.named_buffers(recurse=recurse):
+            owner = module.get_submodule(name.rpartition(".")[0]) if recurse else module
+            if (
+                buffer is not None
+                and name.rpartition(".")[2] not in owner._non_persistent_buffers_set
+            ):
+                yield name, buffer, False
 
     def walk(module: nn.Module, prefix: str) -> None:
         if _is_parallel(module):
             mapping = sorted(getattr(module, "DENSE_NAMES", {}).items(), key=lambda kv: -len(kv[0]))
-            for local, p in module.named_parameters():
+            for local, tensor, is_parameter in own(module, True):
                 for old, new in mapping:
                     if local.startswith(old):
                         local = new + local[len(old) :]
                         break
-                dense = to_dense_name(prefix + local)
-                if dense is not None:
-                    names.setdefault(p, dense)
+                found.append((prefix + local, tensor, is_parameter))
             return
-        for name, p in module.named_parameters(recurse=False):
-            dense = to_dense_name(prefix + name)
-            if dense is not None:
-                names.setdefault(p, dense)
+        found.extend((prefix + n, t, p) for n, t, p in own(module, False))
         for name, child in module.named_children():
             walk(child, f"{prefix}{name}.")
 
     walk(module, "")
-    return names
+    out, seen = [], set()
+    for name, tensor, is_parameter in found:
+        dense = to_dense_name(name)
+        if dense is not None and id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((dense, tensor, is_parameter))
+    return out
+
+
+def _all_dense_tensors(model, rename) -> list[tuple[str, torch.Tensor, bool]]:
+    out = []
+    for module, module_rename in _modules_and_renames(model, rename):
+        out += _dense_tensors(module, module_rename)
+    return out
+
+
+def _shard(name: str, tensor: torch.Tensor, like: torch.Tensor, mesh: Mesh):
+    """The core's Shard of ``tensor`` laid out as the parameter ``like`` (whole, replicated
+    over the tensor group, when ``like`` has no recorded layout)."""
+    return _C.checkpoint.shard_of(name, tensor.detach(), like, mesh.tp_group.group_name)
 
 
 def save(
@@ -122,97 +109,55 @@ def save(
 ) -> None:
     """Saves ``model`` (this rank's module or pipeline stages), ``optimizer``'s state and
     ``extra`` (anything ``torch.save`` takes) to the directory ``path``. Collective over every
-    rank of the mesh. ``rename`` maps the stages' names to the dense model's, as for
-    :func:`export_dense`, so that the checkpoint loads into any other layout.
+    rank of the mesh; each rank of data rank 0 writes its own parts, nothing is gathered.
+    ``rename`` maps the stages' names to the dense model's, as for :func:`export_dense`, so that
+    the checkpoint loads into any other layout, from Python or C++.
 
     Crash-safe: the directory is written under a temporary name and renamed into place (over
-    an earlier checkpoint at ``path``) only when complete.
+    an earlier checkpoint at ``path``) only when every rank's file is complete. A failure on
+    any rank raises on every rank, naming it, and leaves ``path`` as it was.
     """
     mesh = mesh or get_mesh()
-    path = os.path.abspath(os.fspath(path))
-    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    partial = f"{path}.partial-{token[0]}"
-    if dist.get_rank() == 0:
-        os.makedirs(partial)
-    dist.barrier()
-
-    tensors: dict[str, torch.Tensor] = {}
-    others: dict[str, Any] = {}
-    problems: list[str] = []
-    state_names = _shaped_state(optimizer)
-    for module, module_rename in _modules_and_renames(model, rename):
-        for key, value in dense_state_dict(module, module_rename).items():
-            tensors[f"model/{key}"] = value.cpu()
-        if optimizer is None:
-            continue
-        names = _dense_names(module, module_rename)
-        unknown = sorted(n for n in names.values() if f"model/{n}" not in tensors)
-        if unknown:  # a module whose to_dense names differ and that does not say how
+    named = _all_dense_tensors(model, rename)
+    shards = [_shard(f"model/{name}", tensor, tensor, mesh) for name, tensor, _ in named]
+    values: dict[str, Any] = {}
+    problems = []
+    if optimizer is not None:
+        held = {id(t) for _, t, is_parameter in named if is_parameter}
+        outside = [
+            p for group in optimizer.param_groups for p in group["params"] if id(p) not in held
+        ]
+        if outside:
             problems.append(
-                f"no dense tensor is named {', '.join(unknown[:4])}: does a tensor-parallel "
-                "module lack DENSE_NAMES?"
+                f"the optimizer holds {len(outside)} parameters (shapes "
+                f"{[tuple(p.shape) for p in outside[:4]]}) that the model does not name"
             )
-        for state_name in state_names:
-            swap = {}
-            for p in names:
-                state = optimizer.state.get(p, {})
-                swap[p] = state[state_name] if state_name in state else torch.zeros_like(p)
-            with _swapped(swap):
-                dense = dense_state_dict(module, module_rename)
-            for p, key in names.items():
-                if state_name in optimizer.state.get(p, {}):
-                    tensors[f"optim/{key}/{state_name}"] = dense[key].cpu()
-        for p, key in names.items():
-            for state_name, value in optimizer.state.get(p, {}).items():
-                if state_name in state_names:
-                    continue
+        for name, p, is_parameter in named:
+            if not is_parameter:
+                continue
+            for key, value in optimizer.state.get(p, {}).items():
+                full = f"optim/{name}/{key}"
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optim/{key}/{state_name}"] = value.detach().cpu().clone()
+                    shaped = value.shape == p.shape and value.dim() > 0
+                    shards.append(_shard(full, value, p if shaped else value, mesh))
                 else:
-                    others[f"optim/{key}/{state_name}"] = value
-
-    writes = mesh.tp_rank == 0 and mesh.dp_rank == 0 and not problems
-    name = f"stage-{mesh.pp_rank}.safetensors"
-    if writes:
-        try:
-            save_file(tensors, os.path.join(partial, name))
-        except Exception as e:  # every rank must hear of it
-            problems.append(f"writing {name} failed: {type(e).__name__}: {e}")
-    listing = [None] * dist.get_world_size()
-    mine = (name, sorted(tensors), others, problems) if writes else (None, [], {}, problems)
-    dist.all_gather_object(listing, mine)
-    failed = [f"rank {r}: {p}" for r, e in enumerate(listing) for p in e[3]]
-    if failed:  # no rank finishes a checkpoint that lacks a file: the previous one stays
-        if dist.get_rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise RuntimeError(f"torch_mp.checkpoint.save failed: {'; '.join(failed)}")
-    if dist.get_rank() == 0:
-        try:
-            index = {
-                "format": FORMAT,
-                "version": VERSION,
-                "mesh": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size},
-                "files": {},
-                "values": {},
-                "param_groups": _hyperparameters(optimizer),
-            }
-            for file, keys, values, _ in listing:
-                if file is None:
-                    continue
-                for key in keys:
-                    index["files"].setdefault(key, file)
-                index["values"].update(values)
-            torch.save(extra, os.path.join(partial, "extra.pt"))
-            with open(os.path.join(partial, INDEX), "w") as f:
-                json.dump(index, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            _move_into_place(partial, path)
-        except Exception as e:
-            problems.append(f"finishing {path} failed: {type(e).__name__}: {e}")
+                    values[full] = value
     _raise_anywhere(problems, "torch_mp.checkpoint.save failed", None)
-    dist.barrier()
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    metadata = {
+        "mesh": f"tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size}",
+        "saved_by": "torch_mp Python",
+        "param_groups": json.dumps(_hyperparameters(optimizer)),
+        "values": json.dumps(values),
+    }
+    files = [
+        _C.checkpoint.shard_file(pp, t) for pp in range(mesh.pp_size) for t in range(mesh.tp_size)
+    ]
+    mine = _C.checkpoint.shard_file(mesh.pp_rank, mesh.tp_rank) if mesh.dp_rank == 0 else None
+    _C.checkpoint.save(
+        os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}, _world_name()
+    )
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict]:
@@ -230,129 +175,88 @@ def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict]:
     return groups
 
 
-def _move_into_place(partial: str, path: str) -> None:
-    """Renames the finished ``partial`` to ``path``, the earlier checkpoint there (if any) out
-    of the way first and removed last: at every moment either ``path`` or that earlier one is
-    complete and loadable."""
-    previous = None
-    if os.path.exists(path):
-        previous = f"{path}.previous-{os.path.basename(partial).rsplit('-', 1)[-1]}"
-        os.rename(path, previous)
-    os.rename(partial, path)
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
-
-
-def _checkpoint_dir(path: str) -> str:
-    """``path``, or the earlier checkpoint set aside while a newer one was moved into place
-    (a save killed between its two renames)."""
-    if os.path.isdir(path):
-        return path
-    parent, base = os.path.split(path)
-    aside = sorted(
-        name for name in os.listdir(parent or ".") if name.startswith(f"{base}.previous-")
-    )
-    if aside:
-        return os.path.join(parent, aside[-1])
-    raise FileNotFoundError(f"torch_mp.checkpoint.load: no checkpoint at {path}")
-
-
 def load(
     path: str | os.PathLike,
     model: nn.Module | Sequence[nn.Module],
     optimizer: torch.optim.Optimizer | None = None,
     *,
     rename: Rename | Sequence[Rename] = None,
+    mesh: Mesh | None = None,
 ) -> Any:
-    """Loads a checkpoint written by :func:`save`, from any layout, into ``model`` (this rank's
-    module or pipeline stages, ``rename`` as when saving) and ``optimizer`` (its state tensors
-    resharded with their parameters, its hyperparameters restored). Collective over every rank.
+    """Loads a checkpoint written by :func:`save` (or by the C++ front end), from any layout,
+    into ``model`` (this rank's module or pipeline stages, ``rename`` as when saving) and
+    ``optimizer`` (its state tensors resharded with their parameters, its hyperparameters
+    restored). Collective over every rank; each reads only the parts it needs.
 
     Returns:
-        The ``extra`` given to :func:`save`.
+        The ``extra`` given to :func:`save` (for a checkpoint saved from C++, its ``extra``
+        strings as a dict).
 
     Raises:
         RuntimeError: On every rank, if the checkpoint is incomplete (no index: a save that did
-            not finish) or lacks a tensor this layout needs, naming it; nothing is changed then.
+            not finish; a shard file missing) or lacks a tensor this layout needs, naming it;
+            nothing is changed then.
     """
-    path = os.path.abspath(os.fspath(path))
-    directory = _checkpoint_dir(path)
-    index_path = os.path.join(directory, INDEX)
-    problems = []
-    index: dict = {}
-    if not os.path.exists(index_path):
-        problems.append(f"{directory} has no {INDEX}: the save that wrote it did not finish")
-    else:
-        with open(index_path) as f:
-            index = json.load(f)
-        if index.get("format") != FORMAT:
-            problems.append(f"{index_path} is not a {FORMAT} index")
-        missing = sorted(
-            {file for file in index.get("files", {}).values()} - set(os.listdir(directory))
-        )
-        if missing:
-            problems.append(f"{directory} lacks {', '.join(missing)}")
-    _raise_anywhere(problems, "torch_mp.checkpoint.load: incomplete checkpoint", None)
-
-    files = sorted(set(index["files"].values()))
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:  # every rank reads every stage file it may need
-        loaded, _ = load_file(os.path.join(directory, file))
-        for key, value in loaded.items():
-            tensors.setdefault(key, value)
-    model_state = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
-    pairs = _modules_and_renames(model, rename)
-    for module, module_rename in pairs:
-        load_dense_state_dict(module, model_state, module_rename)
+    mesh = mesh or get_mesh()
+    reader = _C.checkpoint.Reader(os.fspath(path), _world_name())
+    named = _all_dense_tensors(model, rename)
+    shards = [_shard(f"model/{name}", tensor, tensor, mesh) for name, tensor, _ in named]
+    metadata = reader.metadata
+    states: list[tuple[nn.Parameter, str, torch.Tensor]] = []
     if optimizer is not None:
-        _load_optimizer(optimizer, pairs, tensors, index)
-    return torch.load(os.path.join(directory, "extra.pt"), weights_only=False)
-
-
-def _load_optimizer(optimizer, pairs, tensors: dict[str, torch.Tensor], index: dict) -> None:
-    groups = index.get("param_groups", [])
-    problems = []
-    if len(groups) != len(optimizer.param_groups):
-        problems.append(
-            f"the checkpoint's optimizer has {len(groups)} parameter groups, this one "
-            f"{len(optimizer.param_groups)}"
-        )
-    _raise_anywhere(problems, "torch_mp.checkpoint.load: optimizer mismatch", None)
-    for group, saved in zip(optimizer.param_groups, groups, strict=True):
-        for key, value in saved.items():
-            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-    values = index.get("values", {})
-    for module, module_rename in pairs:
-        names = _dense_names(module, module_rename)  # parameter -> dense name
-        state_names = sorted(
-            {
-                key.rsplit("/", 1)[1]
-                for key in tensors
-                for name in names.values()
-                if key.startswith(f"optim/{name}/")
-            }
-        )
-        for state_name in state_names:
-            present = {
-                name: tensors[f"optim/{name}/{state_name}"]
-                for name in names.values()
-                if f"optim/{name}/{state_name}" in tensors
-            }
-            if all(t.dim() > 0 for t in present.values()):
-                # Shaped like the parameters: resharded as they are, through load_dense.
-                swap = {p: torch.empty_like(p) for p in names}
-                full = dense_state_dict(module, module_rename)
-                full.update(present)
-                with _swapped(swap):
-                    load_dense_state_dict(module, full, module_rename)
-                for p, name in names.items():
-                    if name in present:
-                        optimizer.state[p][state_name] = swap[p]
-            else:
-                for p, name in names.items():
-                    if name in present:
-                        optimizer.state[p][state_name] = present[name].clone()
-        for p, name in names.items():
+        _check_hyperparameters(optimizer, metadata)
+        saved = reader.tensors
+        for name, p, is_parameter in named:
+            prefix = f"optim/{name}/"
+            if not is_parameter or f"model/{name}" not in saved:
+                continue  # (a missing parameter is named by reader.load)
+            dense_shape = saved[f"model/{name}"][1]
+            for key, (dtype, shape) in saved.items():
+                if not key.startswith(prefix):
+                    continue
+                if len(shape) > 0 and shape == dense_shape:  # laid out as the parameter
+                    value = torch.empty_like(p, dtype=dtype)
+                    shards.append(_shard(key, value, p, mesh))
+                else:  # whole (a step count), on the CPU as torch's optimizers keep it
+                    value = torch.empty(shape, dtype=dtype)
+                    shards.append(_shard(key, value, value, mesh))
+                states.append((p, key[len(prefix) :], value))
+    reader.load(shards, _world_name())
+    if optimizer is not None:
+        groups = json.loads(metadata.get("param_groups", "[]"))
+        for group, saved_group in zip(optimizer.param_groups, groups, strict=False):  # [] from C++
+            for key, value in saved_group.items():
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        for p, key, value in states:
+            optimizer.state[p][key] = value
+        values = json.loads(metadata.get("values", "{}"))
+        for name, p, is_parameter in named:
             for key, value in values.items():
-                if key.startswith(f"optim/{name}/"):
+                if is_parameter and key.startswith(f"optim/{name}/"):
                     optimizer.state[p][key.rsplit("/", 1)[1]] = value
+    extra_path = os.path.join(reader.path, EXTRA)
+    if os.path.exists(extra_path):
+        return torch.load(extra_path, weights_only=False)
+    return {k[len("extra/") :]: v for k, v in metadata.items() if k.startswith("extra/")}
+
+
+def _check_hyperparameters(optimizer: torch.optim.Optimizer, metadata: dict[str, str]) -> None:
+    """Raises (on every rank alike) unless the checkpoint's optimizer had as many parameter
+    groups as ``optimizer``; one saved without hyperparameters (from C++) fits any."""
+    groups = json.loads(metadata.get("param_groups", "[]"))
+    if groups and len(groups) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"torch_mp.checkpoint.load: the checkpoint's optimizer has {len(groups)} parameter "
+            f"groups, this one {len(optimizer.param_groups)}"
+        )
+
+
+def consolidate(
+    source: str | os.PathLike, path: str | os.PathLike, *, prefix: str = "model/"
+) -> None:
+    """Writes the checkpoint ``source`` (a directory :func:`save` wrote, from any layout, or
+    from C++) as one dense safetensors file at ``path``: the dense model's state dict, which
+    its ``load_state_dict`` and :func:`load_dense` take. Not collective: this process reads
+    every shard file. ``prefix="optim/"`` writes the optimizer's state instead, keyed
+    ``<parameter>/<state>``."""
+    _C.checkpoint.consolidate(os.fspath(source), os.fspath(path), prefix)

@@ -170,6 +170,10 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
     # Parameter names in the dense counterpart (to_dense), by prefix (torch_mp.checkpoint).
     DENSE_NAMES = {"qkv.": "in_proj_", "proj.": "out_proj."}
 
+    def _register_layouts(self) -> None:
+        for param in self.qkv.parameters():  # this rank's rows of Q, of K and of V
+            _C.set_layout(param, 0, self.group.group_name, 3)
+
     def reset_parameters(self) -> None:
         """Draws an ``nn.MultiheadAttention`` (as it initialises itself) and keeps our heads."""
         self.load_dense(
@@ -564,8 +568,9 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         _materialise(self, device, dtype)
 
     def _register_layouts(self) -> None:
-        for param in self.norm.parameters():
-            _C.set_layout(param, 0, self.group.group_name)  # this rank's channels
+        for tensor in (*self.norm.parameters(), self.norm.running_mean, self.norm.running_var):
+            if tensor is not None:
+                _C.set_layout(tensor, 0, self.group.group_name)  # this rank's channels
 
     def reset_parameters(self) -> None:
         """Draws conv1 then conv2 as ``nn.Conv2d`` layers would be drawn."""

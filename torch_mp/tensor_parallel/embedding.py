@@ -71,7 +71,8 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
         self._register_layouts()
 
     def _register_layouts(self) -> None:
-        _C.set_layout(self.weight, 0, self.group.group_name)  # this rank's vocabulary rows
+        # This rank's rows of the vocabulary; the last ranks' rows past it are padding.
+        _C.set_layout(self.weight, 0, self.group.group_name, 1, self.num_embeddings)
 
     def reset_parameters(self) -> None:
         """Draws this rank's rows of a table initialised exactly as ``nn.Embedding`` does (ranks

@@ -12,6 +12,8 @@
 #include <sstream>
 #include <vector>
 
+#include "torch_mp/checkpoint/json.h"
+
 namespace torch_mp::checkpoint {
 namespace {
 
@@ -50,155 +52,6 @@ at::ScalarType dtype_of(const std::string& name, const std::string& path) {
   }
   TORCH_CHECK(false, path, ": unknown safetensors dtype '", name, "'");
 }
-
-std::string quoted(const std::string& text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
-// The subset of JSON a safetensors header uses: objects, arrays, strings, integers.
-class Json {
- public:
-  Json(const std::string& text, const std::string& path) : text_(text), path_(path) {}
-
-  struct Value {
-    enum class Kind { kObject, kArray, kString, kNumber } kind = Kind::kNumber;
-    std::map<std::string, Value> object;
-    std::vector<Value> array;
-    std::string string;
-    int64_t number = 0;
-  };
-
-  Value parse() {
-    Value value = next();
-    skip();
-    check(at_ == text_.size(), "text after the header's object");
-    return value;
-  }
-
- private:
-  void check(bool ok, const char* what) const {
-    TORCH_CHECK(ok, path_, ": not a safetensors file (", what, " at byte ", at_, " of the header)");
-  }
-  void skip() {
-    while (at_ < text_.size() && std::isspace(static_cast<unsigned char>(text_[at_]))) {
-      ++at_;
-    }
-  }
-  char peek() {
-    skip();
-    check(at_ < text_.size(), "the header ends early");
-    return text_[at_];
-  }
-  void expect(char c) {
-    check(peek() == c, "unexpected character");
-    ++at_;
-  }
-  Value next() {
-    Value value;
-    const char c = peek();
-    if (c == '{') {
-      value.kind = Value::Kind::kObject;
-      ++at_;
-      if (peek() == '}') {
-        ++at_;
-        return value;
-      }
-      while (true) {
-        std::string key = string();
-        expect(':');
-        value.object[key] = next();
-        if (peek() == ',') {
-          ++at_;
-          continue;
-        }
-        expect('}');
-        return value;
-      }
-    }
-    if (c == '[') {
-      value.kind = Value::Kind::kArray;
-      ++at_;
-      if (peek() == ']') {
-        ++at_;
-        return value;
-      }
-      while (true) {
-        value.array.push_back(next());
-        if (peek() == ',') {
-          ++at_;
-          continue;
-        }
-        expect(']');
-        return value;
-      }
-    }
-    if (c == '"') {
-      value.kind = Value::Kind::kString;
-      value.string = string();
-      return value;
-    }
-    check(c == '-' || std::isdigit(static_cast<unsigned char>(c)), "not a value");
-    size_t end = at_ + 1;
-    while (end < text_.size() && std::isdigit(static_cast<unsigned char>(text_[end]))) {
-      ++end;
-    }
-    value.number = std::stoll(text_.substr(at_, end - at_));
-    at_ = end;
-    return value;
-  }
-  std::string string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      check(at_ < text_.size(), "an unterminated string");
-      const char c = text_[at_++];
-      if (c == '"') {
-        return out;
-      }
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      check(at_ < text_.size(), "an unterminated escape");
-      const char e = text_[at_++];
-      if (e == 'u') {
-        check(at_ + 4 <= text_.size(), "a short \\u escape");
-        const auto code = std::stoi(text_.substr(at_, 4), nullptr, 16);
-        at_ += 4;
-        check(code < 0x80, "a non-ASCII \\u escape");
-        out += static_cast<char>(code);
-      } else {
-        const std::string plain = "\"\\/";
-        const std::string from = "bfnrt";
-        const std::string to = "\b\f\n\r\t";
-        if (plain.find(e) != std::string::npos) {
-          out += e;
-        } else {
-          const auto i = from.find(e);
-          check(i != std::string::npos, "an unknown escape");
-          out += to[i];
-        }
-      }
-    }
-  }
-
-  const std::string& text_;
-  const std::string& path_;
-  size_t at_ = 0;
-};
 
 }  // namespace
 
@@ -265,31 +118,35 @@ void save_file(const TensorMap& tensors,
               path);
 }
 
-TensorMap load_file(const std::string& path, std::map<std::string, std::string>* metadata) {
+Header read_header(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in, "safetensors: cannot open ", path);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  TORCH_CHECK(bytes.size() >= 8, path, ": not a safetensors file (", bytes.size(), " bytes)");
+  in.seekg(0, std::ios::end);
+  const auto size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  TORCH_CHECK(size >= 8, path, ": not a safetensors file (", size, " bytes)");
+  unsigned char prefix[8];
+  in.read(reinterpret_cast<char*>(prefix), 8);
   uint64_t length = 0;
   for (int i = 7; i >= 0; --i) {
-    length = (length << 8) | static_cast<unsigned char>(bytes[i]);
+    length = (length << 8) | prefix[i];
   }
-  TORCH_CHECK(8 + length <= bytes.size(),
+  TORCH_CHECK(8 + length <= size,
               path,
               ": not a safetensors file, or cut short (header of ",
               length,
               " bytes)");
-  const std::string text = bytes.substr(8, length);
-  const auto header = Json(text, path).parse();
-  TORCH_CHECK(header.kind == Json::Value::Kind::kObject, path, ": the header is not an object");
-  const size_t body = 8 + length;
-  TensorMap tensors;
-  for (const auto& [name, entry] : header.object) {
+  std::string text(length, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(length));
+  TORCH_CHECK(in, path, ": reading the header failed");
+  const auto json = parse_json(text, path + ": not a safetensors file");
+  TORCH_CHECK(json.kind == JsonValue::Kind::kObject, path, ": the header is not an object");
+  Header header;
+  header.data_start = 8 + length;
+  for (const auto& [name, entry] : json.object) {
     if (name == "__metadata__") {
-      if (metadata) {
-        for (const auto& [key, value] : entry.object) {
-          (*metadata)[key] = value.string;
-        }
+      for (const auto& [key, value] : entry.object) {
+        header.metadata[key] = value.string;
       }
       continue;
     }
@@ -299,27 +156,61 @@ TensorMap load_file(const std::string& path, std::map<std::string, std::string>*
                 ": tensor ",
                 name,
                 " lacks dtype, shape or data_offsets");
-    std::vector<int64_t> shape;
+    TensorEntry tensor{dtype_of(fields.at("dtype").string, path), {}, 0, 0};
     for (const auto& d : fields.at("shape").array) {
-      shape.push_back(d.number);
+      tensor.shape.push_back(d.number);
     }
     const auto& offsets = fields.at("data_offsets").array;
     TORCH_CHECK(offsets.size() == 2, path, ": tensor ", name, " has malformed data_offsets");
-    const auto begin = static_cast<size_t>(offsets[0].number);
-    const auto end = static_cast<size_t>(offsets[1].number);
-    auto tensor = at::empty(shape, at::TensorOptions(dtype_of(fields.at("dtype").string, path)));
-    TORCH_CHECK(end >= begin && body + end <= bytes.size() &&
-                    end - begin == static_cast<size_t>(tensor.nbytes()),
+    tensor.begin = static_cast<uint64_t>(offsets[0].number);
+    tensor.end = static_cast<uint64_t>(offsets[1].number);
+    int64_t numel = 1;
+    for (const auto d : tensor.shape) {
+      numel *= d;
+    }
+    TORCH_CHECK(tensor.end >= tensor.begin && header.data_start + tensor.end <= size &&
+                    tensor.end - tensor.begin ==
+                        static_cast<uint64_t>(numel * c10::elementSize(tensor.dtype)),
                 path,
                 ": tensor ",
                 name,
                 " is cut short or does not match its shape");
+    header.tensors.emplace(name, std::move(tensor));
+  }
+  return header;
+}
+
+TensorMap load_tensors(const std::string& path,
+                       const Header& header,
+                       const std::vector<std::string>& names) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "safetensors: cannot open ", path);
+  TensorMap tensors;
+  for (const auto& name : names) {
+    const auto it = header.tensors.find(name);
+    TORCH_CHECK(it != header.tensors.end(), path, " holds no tensor ", name);
+    const auto& entry = it->second;
+    auto tensor = at::empty(entry.shape, at::TensorOptions(entry.dtype));
     if (tensor.nbytes() > 0) {
-      std::memcpy(tensor.data_ptr(), bytes.data() + body + begin, tensor.nbytes());
+      in.seekg(static_cast<std::streamoff>(header.data_start + entry.begin));
+      in.read(static_cast<char*>(tensor.data_ptr()), static_cast<std::streamsize>(tensor.nbytes()));
+      TORCH_CHECK(in, path, ": reading ", name, " failed");
     }
     tensors[name] = tensor;
   }
   return tensors;
+}
+
+TensorMap load_file(const std::string& path, std::map<std::string, std::string>* metadata) {
+  auto header = read_header(path);
+  std::vector<std::string> names;
+  for (const auto& item : header.tensors) {
+    names.push_back(item.first);
+  }
+  if (metadata) {
+    *metadata = header.metadata;
+  }
+  return load_tensors(path, header, names);
 }
 
 }  // namespace torch_mp::checkpoint

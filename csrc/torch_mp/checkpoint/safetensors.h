@@ -9,9 +9,12 @@
 //            "__metadata__": {"<key>": "<value>"}}
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
 
+#include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace torch_mp::checkpoint {
 
@@ -25,6 +28,29 @@ using TensorMap = std::map<std::string, at::Tensor>;
 void save_file(const TensorMap& tensors,
                const std::string& path,
                const std::map<std::string, std::string>& metadata = {});
+
+/// Where one tensor lies in a safetensors file.
+struct TensorEntry {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // byte offsets in the data, which starts at Header::data_start
+  uint64_t end = 0;
+};
+
+/// A safetensors file's header: its tensors by name and its metadata.
+struct Header {
+  std::map<std::string, TensorEntry> tensors;
+  std::map<std::string, std::string> metadata;
+  uint64_t data_start = 0;
+};
+
+/// Reads only the header of the safetensors file `path` (checked against the file's size).
+Header read_header(const std::string& path);
+
+/// Reads the tensors `names` (on CPU) of the file `path`, whose header is `header`.
+TensorMap load_tensors(const std::string& path,
+                       const Header& header,
+                       const std::vector<std::string>& names);
 
 /// Reads a safetensors file: its tensors (on CPU) and, if `metadata` is given, its metadata.
 /// Raises, naming the file, if it is not safetensors or is cut short.

@@ -282,6 +282,9 @@ void ParallelSelfAttentionImpl::reset() {
                                  .bias(o.bias())
                                  .sequence_parallel(o.sequence_parallel())
                                  .group(o.group())));
+  for (const auto& p : qkv->parameters()) {  // this rank's rows of Q, of K and of V
+    set_layout(p, ParameterLayout{0, o.group(), false, /*parts=*/3});
+  }
   if (initialise_) {
     reset_parameters();
   }
@@ -317,6 +320,11 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x,
                                        is_causal,
                                        is_training() ? options.dropout() : 0.0);
   return proj(context);
+}
+
+const DenseNames& ParallelSelfAttentionImpl::dense_names() {
+  static const DenseNames names{{"qkv.", "in_proj_"}, {"proj.", "out_proj."}};
+  return names;
 }
 
 ParallelSelfAttention ParallelSelfAttentionImpl::uninitialised(
@@ -486,6 +494,14 @@ void ParallelTransformerLayerImpl::reset_parameters() {
           .dim_feedforward(o.ffn_hidden_size())));
 }
 
+const DenseNames& ParallelTransformerLayerImpl::dense_names() {
+  static const DenseNames names{{"self_attn.qkv.", "self_attn.in_proj_"},
+                                {"self_attn.proj.", "self_attn.out_proj."},
+                                {"mlp.fc1.", "linear1."},
+                                {"mlp.fc2.", "linear2."}};
+  return names;
+}
+
 void ParallelTransformerLayerImpl::load_dense(const torch::nn::TransformerEncoderLayer& dense) {
   self_attn->load_dense(dense->self_attn);
   mlp->load_dense(dense->linear1, dense->linear2);
@@ -573,6 +589,8 @@ void ParallelConvBlockImpl::reset() {
   for (const auto& p : norm->parameters()) {
     set_sharded(p, 0, o.group());  // this rank's channels
   }
+  set_sharded(norm->running_mean, 0, o.group());
+  set_sharded(norm->running_var, 0, o.group());
   if (initialise_) {
     reset_parameters();
   }

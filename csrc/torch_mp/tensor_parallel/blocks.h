@@ -20,6 +20,8 @@
 
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "torch_mp/dense.h"
 #include "torch_mp/process_groups.h"
@@ -135,6 +137,9 @@ class ParallelSelfAttention;
 
 /// Multi-head self-attention with the heads split across the group: a column-parallel QKV
 /// projection, attention over the local heads, a row-parallel output projection.
+/// (prefix of a module's own name, prefix of its dense counterpart's name) pairs.
+using DenseNames = std::vector<std::pair<std::string, std::string>>;
+
 class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttentionImpl> {
  public:
   ParallelSelfAttentionImpl(int64_t hidden_size, int64_t num_heads)
@@ -155,6 +160,8 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
   void load_dense(const torch::nn::MultiheadAttention& dense);
   /// The dense module (a collective).
   torch::nn::MultiheadAttention to_dense() const;
+  /// Parameter names in the dense module, by prefix (torch_mp::checkpoint).
+  static const DenseNames& dense_names();
 
   ParallelSelfAttentionOptions options;
   ColumnParallelLinear qkv = nullptr;
@@ -254,6 +261,8 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
 
   /// Copies this rank's shards of `dense` into the parameters.
   void load_dense(const torch::nn::TransformerEncoderLayer& dense);
+  /// Parameter names in the dense layer, by prefix (torch_mp::checkpoint).
+  static const DenseNames& dense_names();
 
   ParallelTransformerLayerOptions options;
   torch::nn::LayerNorm norm1 = nullptr;

@@ -161,7 +161,8 @@ void VocabParallelEmbeddingImpl::reset() {
   options.padding_idx(normalised_padding_idx(options.padding_idx(), options.num_embeddings()));
   const VocabRange range = vocab_range(options.num_embeddings(), options.group());
   weight = register_parameter("weight", at::empty({range.rows, options.embedding_dim()}));
-  set_sharded(weight, 0, options.group());
+  // This rank's rows of the vocabulary; the last ranks' rows past it are padding.
+  set_layout(weight, ParameterLayout{0, options.group(), false, 1, options.num_embeddings()});
   if (initialise_) {
     reset_parameters();
   }

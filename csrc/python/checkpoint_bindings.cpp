@@ -1,0 +1,126 @@
+// Bindings of torch_mp/checkpoint: the shard format that torch_mp.checkpoint.save / load drive,
+// and the safetensors reader and writer.
+
+#include <pybind11/stl.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "python/common.h"
+#include "torch_mp/checkpoint/safetensors.h"
+#include "torch_mp/checkpoint/shards.h"
+
+namespace py = pybind11;
+
+namespace torch_mp::python {
+
+namespace {
+
+GroupPtr resolve_or_null(const std::optional<std::string>& group) {
+  return group ? resolve(*group) : nullptr;
+}
+
+}  // namespace
+
+void bind_checkpoint(py::module_& parent) {
+  namespace ckpt = torch_mp::checkpoint;
+  auto m = parent.def_submodule("checkpoint", "Checkpoint files (torch_mp/checkpoint)");
+  m.def("save_file",
+        &ckpt::save_file,
+        py::arg("tensors"),
+        py::arg("path"),
+        py::arg("metadata") = std::map<std::string, std::string>{});
+  m.def(
+      "load_file",
+      [](const std::string& path) {
+        std::map<std::string, std::string> metadata;
+        auto tensors = ckpt::load_file(path, &metadata);
+        return std::make_pair(tensors, metadata);
+      },
+      py::arg("path"));
+
+  py::class_<ckpt::Shard>(m, "Shard", "One tensor of this rank's share of a model.")
+      .def_readonly("name", &ckpt::Shard::name)
+      .def_readonly("tensor", &ckpt::Shard::tensor)
+      .def_readonly("dim", &ckpt::Shard::dim)
+      .def_readonly("parts", &ckpt::Shard::parts)
+      .def_readonly("dense_size", &ckpt::Shard::dense_size)
+      .def_readonly("rank", &ckpt::Shard::rank)
+      .def_readonly("ranks", &ckpt::Shard::ranks)
+      .def("dense_shape", &ckpt::Shard::dense_shape);
+  m.def(
+      "shard_of",
+      [](std::string name,
+         const at::Tensor& tensor,
+         const at::Tensor& parameter,
+         const std::string& default_group) {
+        return ckpt::shard_of(std::move(name), tensor, parameter, resolve(default_group));
+      },
+      py::arg("name"),
+      py::arg("tensor"),
+      py::arg("parameter"),
+      py::arg("default_group"));
+  m.def("shard_file", &ckpt::shard_file, py::arg("pp"), py::arg("tp"));
+  m.def(
+      "save",
+      [](const std::string& path,
+         const std::vector<ckpt::Shard>& shards,
+         const std::optional<std::string>& file,
+         const std::vector<std::string>& files,
+         const std::map<std::string, std::string>& metadata,
+         const std::map<std::string, py::bytes>& root_files,
+         const std::optional<std::string>& group) {
+        std::map<std::string, std::string> contents;
+        for (const auto& [name, bytes] : root_files) {
+          contents[name] = bytes;
+        }
+        py::gil_scoped_release release;
+        ckpt::save(path, shards, file, files, metadata, contents, resolve_or_null(group));
+      },
+      py::arg("path"),
+      py::arg("shards"),
+      py::arg("file"),
+      py::arg("files"),
+      py::arg("metadata"),
+      py::arg("root_files"),
+      py::arg("group"));
+  py::class_<ckpt::Reader>(m, "Reader", "A checkpoint directory or dense file opened for reading.")
+      .def(py::init([](const std::string& path,
+                       const std::optional<std::string>& group,
+                       const std::string& dense_prefix) {
+             py::gil_scoped_release release;
+             return ckpt::Reader(path, resolve_or_null(group), dense_prefix);
+           }),
+           py::arg("path"),
+           py::arg("group"),
+           py::arg("dense_prefix") = "model/")
+      .def_property_readonly("path", &ckpt::Reader::path)
+      .def_property_readonly("metadata", &ckpt::Reader::metadata)
+      .def_property_readonly("tensors",
+                             [](const ckpt::Reader& reader) {
+                               py::dict out;
+                               for (const auto& [name, t] : reader.tensors()) {
+                                 const auto dtype = py::reinterpret_borrow<py::object>(
+                                     reinterpret_cast<PyObject*>(torch::getTHPDtype(t.dtype)));
+                                 out[py::str(name)] = py::make_tuple(dtype, t.shape);
+                               }
+                               return out;
+                             })
+      .def(
+          "load",
+          [](const ckpt::Reader& reader,
+             const std::vector<ckpt::Shard>& shards,
+             const std::optional<std::string>& group) {
+            py::gil_scoped_release release;
+            reader.load(shards, resolve_or_null(group));
+          },
+          py::arg("shards"),
+          py::arg("group"));
+  m.def("consolidate",
+        &ckpt::consolidate,
+        py::arg("source"),
+        py::arg("path"),
+        py::arg("prefix") = "model/",
+        py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace torch_mp::python

@@ -1,0 +1,581 @@
+#include "torch_mp/checkpoint/shards.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "torch_mp/checkpoint/json.h"
+#include "torch_mp/collectives.h"
+#include "torch_mp/layout.h"
+
+namespace torch_mp::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kFormat = "torch_mp checkpoint";
+constexpr int64_t kVersion = 2;
+constexpr const char* kIndex = "index.json";
+constexpr size_t kProblemsShown = 8;
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) {
+      out += ',';
+    }
+    out += std::to_string(shape[i]);
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_shape(const std::string& text, const std::string& where) {
+  std::vector<int64_t> shape;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      shape.push_back(std::stoll(item));
+    } catch (const std::exception&) {
+      TORCH_CHECK(false, where, ": malformed dense shape '", text, "'");
+    }
+  }
+  return shape;
+}
+
+/// "<name>@<dim>:<start>" for a block of a sharded tensor, "<name>" for a whole one.
+std::string key_of(const std::string& name, std::optional<int64_t> dim, int64_t start) {
+  return dim ? name + "@" + std::to_string(*dim) + ":" + std::to_string(start) : name;
+}
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size() && i < kProblemsShown; ++i) {
+    if (i) {
+      out += "; ";
+    }
+    out += items[i];
+  }
+  if (items.size() > kProblemsShown) {
+    out += "; and " + std::to_string(items.size() - kProblemsShown) + " more";
+  }
+  return out;
+}
+
+/// The failure text of the first rank of `group` with problems (this rank's own if it has
+/// some), or nullopt when no rank has any.
+std::optional<std::string> failure_anywhere(const std::vector<std::string>& problems,
+                                            const std::string& what,
+                                            const GroupPtr& group) {
+  const int64_t rank = group ? group->getRank() : 0;
+  const std::string mine = joined(problems);
+  if (group && group->getSize() > 1) {
+    // Every rank takes part in the same collectives, whether or not it has problems.
+    const auto longest =
+        comm::all_reduce(
+            at::full({1}, static_cast<int64_t>(mine.size()), at::kLong), group, c10d::ReduceOp::MAX)
+            .item<int64_t>();
+    if (longest == 0) {
+      return std::nullopt;
+    }
+    auto text = at::zeros({longest + 1}, at::kByte);
+    std::copy(mine.begin(), mine.end(), text.data_ptr<uint8_t>());
+    const auto all = comm::all_gather(text, 0, group).view({-1, longest + 1});
+    if (!problems.empty()) {
+      return what + " on rank " + std::to_string(rank) + ": " + mine;
+    }
+    for (int64_t r = 0; r < all.size(0); ++r) {
+      const auto* bytes = all[r].data_ptr<uint8_t>();
+      if (bytes[0] != 0) {
+        return what + " on rank " + std::to_string(r) + ": " +
+               std::string(reinterpret_cast<const char*>(bytes));
+      }
+    }
+    return std::nullopt;
+  }
+  if (!problems.empty()) {
+    return what + " on rank " + std::to_string(rank) + ": " + mine;
+  }
+  return std::nullopt;
+}
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+/// Renames the finished `partial` to `path`, an earlier checkpoint there set aside first and
+/// removed last: at every moment `path` or the one set aside is complete.
+void move_into_place(const std::string& partial, const std::string& path, const std::string& tag) {
+  std::string previous;
+  if (fs::exists(path)) {
+    previous = path + ".previous-" + tag;
+    fs::rename(path, previous);
+  }
+  fs::rename(partial, path);
+  fsync_path(fs::path(path).parent_path().string());
+  if (!previous.empty()) {
+    std::error_code ignored;
+    fs::remove_all(previous, ignored);
+  }
+}
+
+/// `path`, or the earlier checkpoint set aside while a newer one was moved into place (a save
+/// killed between its two renames).
+std::string checkpoint_directory(const std::string& path) {
+  if (fs::is_directory(path)) {
+    return path;
+  }
+  const fs::path p(path);
+  const auto parent = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  std::vector<std::string> aside;
+  if (fs::is_directory(parent)) {
+    for (const auto& entry : fs::directory_iterator(parent)) {
+      const auto name = entry.path().filename().string();
+      if (name.rfind(p.filename().string() + ".previous-", 0) == 0) {
+        aside.push_back(entry.path().string());
+      }
+    }
+  }
+  TORCH_CHECK(!aside.empty(), "no checkpoint at ", path);
+  std::sort(aside.begin(), aside.end());
+  return aside.back();
+}
+
+/// A box in a dense tensor's coordinates: [lo[d], hi[d]) along every dim d.
+struct Box {
+  std::vector<int64_t> lo, hi;
+
+  Box(const std::vector<int64_t>& shape, std::optional<int64_t> dim, int64_t start, int64_t length)
+      : lo(shape.size(), 0), hi(shape) {
+    if (dim) {
+      lo[*dim] = start;
+      hi[*dim] = start + length;
+    }
+  }
+  int64_t volume() const {
+    int64_t v = 1;
+    for (size_t d = 0; d < lo.size(); ++d) {
+      v *= std::max<int64_t>(0, hi[d] - lo[d]);
+    }
+    return v;
+  }
+  Box intersect(const Box& other) const {
+    Box out = *this;
+    for (size_t d = 0; d < lo.size(); ++d) {
+      out.lo[d] = std::max(lo[d], other.lo[d]);
+      out.hi[d] = std::min(hi[d], other.hi[d]);
+    }
+    return out;
+  }
+  /// `tensor`, holding this box from `origin` on, cut to `part`.
+  at::Tensor cut(at::Tensor tensor, const Box& part, const std::vector<int64_t>& origin) const {
+    for (size_t d = 0; d < lo.size(); ++d) {
+      tensor = tensor.narrow(
+          static_cast<int64_t>(d), part.lo[d] - lo[d] + origin[d], part.hi[d] - part.lo[d]);
+    }
+    return tensor;
+  }
+};
+
+/// The boxes of the dense tensor that `shard` holds, with where each starts in its tensor.
+std::vector<std::pair<Box, std::vector<int64_t>>> boxes_of(const Shard& shard) {
+  const auto shape = shard.dense_shape();
+  std::vector<std::pair<Box, std::vector<int64_t>>> out;
+  for (const auto& block : shard.blocks()) {
+    std::vector<int64_t> origin(shape.size(), 0);
+    if (shard.dim) {
+      origin[*shard.dim] = block.local_begin;
+    }
+    out.emplace_back(Box(shape, shard.dim, block.dense_begin, block.length), origin);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<Shard::Block> Shard::blocks() const {
+  if (!dim) {
+    return {Block{0, 0, tensor.dim() ? tensor.size(0) : 1}};
+  }
+  const int64_t local = tensor.size(*dim) / parts;
+  const int64_t dense = dense_size.value_or(local * ranks * parts) / parts;
+  std::vector<Block> out;
+  for (int64_t k = 0; k < parts; ++k) {
+    const int64_t begin = rank * local;
+    const int64_t length = std::min(local, dense - begin);
+    if (length > 0) {
+      out.push_back(Block{k * local, k * dense + begin, length});
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> Shard::dense_shape() const {
+  auto shape = tensor.sizes().vec();
+  if (dim) {
+    shape[*dim] = dense_size.value_or(shape[*dim] * ranks);
+  }
+  return shape;
+}
+
+Shard shard_of(std::string name,
+               const at::Tensor& tensor,
+               const at::Tensor& parameter,
+               const GroupPtr& default_group) {
+  Shard shard{std::move(name), tensor};
+  const auto layout = layout_of(parameter);
+  const GroupPtr group = layout && layout->group ? layout->group : default_group;
+  if (group) {
+    shard.rank = group->getRank();
+    shard.ranks = group->getSize();
+  }
+  if (layout && layout->shard_dim) {
+    shard.dim = layout->shard_dim;
+    shard.parts = layout->parts;
+    shard.dense_size = layout->dense_size;
+  }
+  return shard;
+}
+
+std::string shard_file(int64_t pp, int64_t tp) {
+  return "shard-" + std::to_string(pp) + "-" + std::to_string(tp) + ".safetensors";
+}
+
+void raise_anywhere(const std::vector<std::string>& problems,
+                    const std::string& what,
+                    const GroupPtr& group) {
+  if (const auto failure = failure_anywhere(problems, what, group)) {
+    TORCH_CHECK(false, *failure);
+  }
+}
+
+void save(const std::string& path_in,
+          const std::vector<Shard>& shards,
+          const std::optional<std::string>& file,
+          const std::vector<std::string>& files,
+          const std::map<std::string, std::string>& metadata,
+          const std::map<std::string, std::string>& root_files,
+          const GroupPtr& group) {
+  const std::string what = "torch_mp::checkpoint::save of " + path_in + " failed";
+  const std::string path = fs::absolute(path_in).lexically_normal().string();
+  const bool root = !group || group->getRank() == 0;
+  // One name for this save's directory, drawn on rank 0.
+  auto token = at::zeros({1}, at::kLong);
+  if (root) {
+    token[0] = static_cast<int64_t>(std::random_device{}() & 0x7fffffff);
+  }
+  if (group && group->getSize() > 1) {
+    token = comm::all_reduce(token, group, c10d::ReduceOp::SUM);
+  }
+  const std::string tag = std::to_string(token.item<int64_t>());
+  const std::string partial = path + ".partial-" + tag;
+  std::vector<std::string> problems;
+  const auto attempt = [&problems](const auto& body) {
+    try {
+      body();
+    } catch (const c10::Error& e) {
+      problems.push_back(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      problems.push_back(e.what());
+    }
+  };
+  if (root) {
+    attempt([&] { fs::create_directories(partial); });
+  }
+  raise_anywhere(problems, what, group);
+
+  if (file) {
+    attempt([&] {
+      TensorMap tensors;
+      std::map<std::string, std::string> shapes{{"format", std::string(kFormat) + " shard"}};
+      for (const auto& shard : shards) {
+        if (!shard.dim && shard.rank != 0) {
+          continue;  // a whole tensor: one rank of its group writes it
+        }
+        shapes.emplace(shard.name, shape_text(shard.dense_shape()));
+        for (const auto& block : shard.blocks()) {
+          const auto key = key_of(shard.name, shard.dim, block.dense_begin);
+          if (tensors.count(key)) {
+            continue;  // a tied copy on the same rank
+          }
+          tensors[key] = shard.dim
+                             ? shard.tensor.narrow(*shard.dim, block.local_begin, block.length)
+                             : shard.tensor;
+        }
+      }
+      save_file(tensors, (fs::path(partial) / *file).string(), shapes);
+    });
+  }
+  auto failure = failure_anywhere(problems, what, group);
+  if (!failure) {
+    attempt([&] {
+      if (!root) {
+        return;
+      }
+      for (const auto& [name, contents] : root_files) {
+        const auto file = (fs::path(partial) / name).string();
+        std::ofstream out(file, std::ios::binary | std::ios::trunc);
+        out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+        out.flush();
+        TORCH_CHECK(out, "writing ", file, " failed");
+        out.close();
+        fsync_path(file);
+      }
+      std::ostringstream index;
+      index << "{\n \"format\": " << quoted(kFormat) << ",\n \"version\": " << kVersion
+            << ",\n \"files\": [";
+      for (size_t i = 0; i < files.size(); ++i) {
+        index << (i ? ", " : "") << quoted(files[i]);
+        TORCH_CHECK(fs::exists(fs::path(partial) / files[i]), "no rank wrote ", files[i]);
+      }
+      index << "],\n \"metadata\": {";
+      for (auto it = metadata.begin(); it != metadata.end(); ++it) {
+        index << (it == metadata.begin() ? "\n  " : ",\n  ") << quoted(it->first) << ": "
+              << quoted(it->second);
+      }
+      index << "\n }\n}\n";
+      const auto index_path = (fs::path(partial) / kIndex).string();
+      {
+        std::ofstream out(index_path, std::ios::trunc);
+        out << index.str();
+        out.flush();
+        TORCH_CHECK(out, "writing ", index_path, " failed");
+      }
+      fsync_path(index_path);
+      fsync_path(partial);
+      move_into_place(partial, path, tag);
+    });
+    failure = failure_anywhere(problems, what, group);
+  }
+  if (failure) {
+    if (root) {
+      std::error_code ignored;
+      fs::remove_all(partial, ignored);
+    }
+    TORCH_CHECK(false, *failure);
+  }
+}
+
+Reader::Reader(const std::string& path, const GroupPtr& group, const std::string& dense_prefix) {
+  std::vector<std::string> problems;
+  try {
+    if (fs::is_regular_file(path)) {
+      path_ = path;
+      files_.emplace_back(path, read_header(path));
+    } else {
+      path_ = checkpoint_directory(path);
+      const auto index_path = (fs::path(path_) / kIndex).string();
+      TORCH_CHECK(fs::exists(index_path),
+                  path_,
+                  " has no ",
+                  kIndex,
+                  ": the save that wrote it did not finish");
+      std::ifstream in(index_path);
+      const std::string text{std::istreambuf_iterator<char>(in), {}};
+      const auto index = parse_json(text, index_path + ": not a checkpoint index");
+      const auto& fields = index.object;
+      TORCH_CHECK(fields.count("format") && fields.at("format").string == kFormat,
+                  index_path,
+                  " is not a ",
+                  kFormat,
+                  " index");
+      TORCH_CHECK(fields.count("version") && fields.at("version").number == kVersion,
+                  index_path,
+                  " is of version ",
+                  fields.count("version") ? fields.at("version").number : 0,
+                  "; this torch_mp reads version ",
+                  kVersion);
+      if (fields.count("metadata")) {
+        for (const auto& [key, value] : fields.at("metadata").object) {
+          metadata_[key] = value.string;
+        }
+      }
+      std::vector<std::string> missing;
+      for (const auto& name : fields.at("files").array) {
+        const auto file = (fs::path(path_) / name.string).string();
+        if (!fs::exists(file)) {
+          missing.push_back(name.string);
+          continue;
+        }
+        files_.emplace_back(file, read_header(file));
+      }
+      TORCH_CHECK(missing.empty(), path_, " lacks ", joined(missing));
+    }
+    const bool dense = fs::is_regular_file(path);
+    for (size_t f = 0; f < files_.size(); ++f) {
+      const auto& [file, header] = files_[f];
+      for (const auto& [key, entry] : header.tensors) {
+        Piece piece{f, key, std::nullopt, 0, 0};
+        std::string name = dense ? dense_prefix + key : key;
+        std::vector<int64_t> shape = entry.shape;
+        const auto at = key.rfind('@');
+        if (!dense && at != std::string::npos) {
+          name = key.substr(0, at);
+          const auto colon = key.find(':', at);
+          TORCH_CHECK(colon != std::string::npos, file, ": malformed tensor key ", key);
+          piece.dim = std::stoll(key.substr(at + 1, colon - at - 1));
+          piece.start = std::stoll(key.substr(colon + 1));
+          TORCH_CHECK(*piece.dim >= 0 && *piece.dim < static_cast<int64_t>(shape.size()),
+                      file,
+                      ": tensor key ",
+                      key,
+                      " names a dim its tensor lacks");
+          piece.length = shape[*piece.dim];
+          const auto dense_shape = header.metadata.find(name);
+          TORCH_CHECK(dense_shape != header.metadata.end(), file, " gives no shape for ", name);
+          shape = parse_shape(dense_shape->second, file);
+        }
+        const auto known = tensors_.find(name);
+        if (known == tensors_.end()) {
+          tensors_.emplace(name, Tensor{entry.dtype, shape});
+        } else {
+          TORCH_CHECK(known->second.shape == shape,
+                      name,
+                      " has shape [",
+                      shape_text(shape),
+                      "] in ",
+                      file,
+                      " and [",
+                      shape_text(known->second.shape),
+                      "] in another file");
+        }
+        auto& pieces = pieces_[name];
+        const bool seen =
+            std::any_of(pieces.begin(), pieces.end(), [&](const Piece& p) { return p.key == key; });
+        if (!seen) {  // a tied copy, saved by both its stages
+          pieces.push_back(std::move(piece));
+        }
+      }
+    }
+    // A tensor saved whole somewhere (a tied copy replicated where the original is sharded)
+    // is read whole: the blocks of one layout tile a tensor, pieces of two would overlap.
+    for (auto& [name, pieces] : pieces_) {
+      const auto whole = std::find_if(
+          pieces.begin(), pieces.end(), [](const Piece& p) { return !p.dim.has_value(); });
+      if (whole != pieces.end()) {
+        pieces = {*whole};
+      }
+    }
+  } catch (const c10::Error& e) {
+    problems.push_back(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    problems.push_back(e.what());
+  }
+  raise_anywhere(problems, "torch_mp::checkpoint: cannot read " + path, group);
+}
+
+std::vector<std::string> Reader::problems(const Shard& shard) const {
+  const auto known = tensors_.find(shard.name);
+  if (known == tensors_.end()) {
+    return {shard.name + " is missing"};
+  }
+  const auto shape = shard.dense_shape();
+  if (known->second.shape != shape) {
+    return {shard.name + " has shape [" + shape_text(known->second.shape) +
+            "] in the checkpoint; this rank's needs [" + shape_text(shape) + "]"};
+  }
+  const auto& pieces = pieces_.at(shard.name);
+  for (const auto& [box, origin] : boxes_of(shard)) {
+    int64_t covered = 0;
+    for (const auto& piece : pieces) {
+      covered += box.intersect(Box(shape, piece.dim, piece.start, piece.length)).volume();
+    }
+    if (covered != box.volume()) {
+      return {shard.name + ": the checkpoint's parts cover " + std::to_string(covered) +
+              " of the " + std::to_string(box.volume()) +
+              " elements this rank needs (a shard file is missing)"};
+    }
+  }
+  return {};
+}
+
+void Reader::load(const std::vector<Shard>& shards, const GroupPtr& group) const {
+  std::vector<std::string> problems;
+  for (const auto& shard : shards) {
+    const auto found = this->problems(shard);
+    problems.insert(problems.end(), found.begin(), found.end());
+  }
+  const std::string what = "torch_mp::checkpoint: cannot load " + path_;
+  raise_anywhere(problems, what, group);
+  try {
+    // Read each file once, only the blocks some shard overlaps.
+    std::map<size_t, std::set<std::string>> wanted;
+    for (const auto& shard : shards) {
+      const auto shape = shard.dense_shape();
+      for (const auto& [box, origin] : boxes_of(shard)) {
+        for (const auto& piece : pieces_.at(shard.name)) {
+          if (box.intersect(Box(shape, piece.dim, piece.start, piece.length)).volume() > 0) {
+            wanted[piece.file].insert(piece.key);
+          }
+        }
+      }
+    }
+    std::map<std::pair<size_t, std::string>, at::Tensor> read;
+    for (const auto& [f, keys] : wanted) {
+      const auto& [file, header] = files_[f];
+      for (auto& [key, tensor] :
+           load_tensors(file, header, std::vector<std::string>(keys.begin(), keys.end()))) {
+        read[{f, key}] = tensor;
+      }
+    }
+    at::NoGradGuard no_grad;
+    for (const auto& shard : shards) {
+      const auto shape = shard.dense_shape();
+      const auto blocks = shard.blocks();
+      int64_t held = 0;
+      for (const auto& block : blocks) {
+        held += block.length;
+      }
+      if (shard.dim && held < shard.tensor.size(*shard.dim)) {
+        shard.tensor.zero_();  // padding rows
+      }
+      for (const auto& [box, origin] : boxes_of(shard)) {
+        for (const auto& piece : pieces_.at(shard.name)) {
+          const Box from(shape, piece.dim, piece.start, piece.length);
+          const Box part = box.intersect(from);
+          if (part.volume() == 0) {
+            continue;
+          }
+          const auto source = read.at({piece.file, piece.key});
+          box.cut(shard.tensor, part, origin)
+              .copy_(from.cut(source, part, std::vector<int64_t>(shape.size(), 0)));
+        }
+      }
+    }
+  } catch (const c10::Error& e) {
+    problems.push_back(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    problems.push_back(e.what());
+  }
+  raise_anywhere(problems, what, group);
+}
+
+void consolidate(const std::string& source, const std::string& path, const std::string& prefix) {
+  const Reader reader(source, nullptr);
+  std::vector<Shard> shards;
+  TensorMap dense;
+  for (const auto& [name, tensor] : reader.tensors()) {
+    if (name.rfind(prefix, 0) != 0) {
+      continue;
+    }
+    auto whole = at::empty(tensor.shape, at::TensorOptions(tensor.dtype));
+    shards.push_back(Shard{name, whole});
+    dense[name.substr(prefix.size())] = whole;
+  }
+  reader.load(shards, nullptr);
+  save_file(dense, path, {{"format", "torch_mp dense"}});
+}
+
+}  // namespace torch_mp::checkpoint
