@@ -2,7 +2,8 @@
 // C++ counterpart of examples/python/gpt_3d.py.
 //
 //   torchrun --standalone --no-python --nproc-per-node=8 build/examples/cpp/gpt_3d \
-//       --tp 2 --pp 2 --dp 2 --schedule 1f1b [--sequence-parallel] [--steps N] [--check]
+//       --tp 2 --pp 2 --dp 2 --schedule 1f1b [--sequence-parallel] [--steps N] [--check] \
+//       [--save-every N --checkpoint DIR] [--resume] [--probe FILE]
 //
 // The model: token and learned position embeddings, post-LN torch::nn::TransformerEncoderLayers
 // under a causal mask (LibTorch's layers have no pre-LN option), and an output head tied to the
@@ -19,6 +20,12 @@
 // With --check every rank also trains the dense model on the whole batch; losses must agree to
 // 1e-5 and the trained token table (gathered) to 1e-4 (AdamW scales each element's update by its
 // own gradient's root mean square, so elements inherit their gradient's relative error).
+//
+// Checkpoints (torch_mp::checkpoint, the format Python's torch_mp.checkpoint reads and writes):
+// --save-every N saves the model and AdamW state to --checkpoint DIR every N steps, in the dense
+// model's names; --resume continues from DIR, whatever layout (or front end) saved it. --probe
+// FILE writes, at the end, the dense model's logits on one batch (the model exported with
+// torch_mp::checkpoint::export_dense and rebuilt on rank 0), for comparison with Python.
 
 #include <torch/torch.h>
 #include <torch_mp/torch_mp.h>
@@ -28,6 +35,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -49,7 +57,11 @@ struct Args {
   std::string schedule = "1f1b";
   bool sequence_parallel = false;
   bool check = false;
+  bool resume = false;
   int steps = 20;
+  int save_every = 0;
+  std::string checkpoint = "checkpoints/gpt_3d_cpp";
+  std::string probe;
   int64_t batch = 8, microbatches = 4, seq = 32, hidden = 32, heads = 4, ffn = 64, layers = 4;
   double lr = 3e-3, clip = 0.5;
 };
@@ -69,6 +81,14 @@ Args parse(int argc, char** argv) {
       a.sequence_parallel = true;
     } else if (flag == "--check") {
       a.check = true;
+    } else if (flag == "--resume") {
+      a.resume = true;
+    } else if (i + 1 < argc && flag == "--save-every") {
+      a.save_every = std::stoi(argv[++i]);
+    } else if (i + 1 < argc && flag == "--checkpoint") {
+      a.checkpoint = argv[++i];
+    } else if (i + 1 < argc && flag == "--probe") {
+      a.probe = argv[++i];
     } else if (i + 1 < argc && integers.count(flag)) {
       *integers[flag] = std::stoll(argv[++i]);
     } else if (i + 1 < argc && flag == "--steps") {
@@ -231,6 +251,28 @@ std::string progress(int step, int steps, double loss, double tokens_per_s) {
   return line.str();
 }
 
+/// Writes `a.probe`: a batch of tokens and the logits of the dense model holding the stages'
+/// weights (exported to a dense file, rebuilt on rank 0).
+void write_probe(const Args& a,
+                 const Corpus& corpus,
+                 const std::vector<torch_mp::checkpoint::Stage>& stages,
+                 const std::shared_ptr<torch_mp::Mesh>& mesh) {
+  const std::string exported = a.probe + ".model.safetensors";
+  torch_mp::checkpoint::export_dense(exported, stages, mesh);
+  if (mesh->rank != 0) {
+    return;
+  }
+  DenseGpt dense(corpus.vocab, a);
+  const auto weights = torch_mp::checkpoint::load_file(exported);
+  torch::NoGradGuard no_grad;
+  for (auto& item : dense->named_parameters()) {
+    item.value().copy_(weights.at(item.key()));
+  }
+  const auto tokens = corpus.batch(0, 2, a.seq).first;
+  torch_mp::checkpoint::save_file({{"tokens", tokens}, {"logits", dense->forward(tokens)}},
+                                  a.probe);
+}
+
 int run(int argc, char** argv) {
   const Args a = parse(argc, argv);
   auto options = torch_mp::InitOptions().tp(a.tp).pp(a.pp).timeout(std::chrono::seconds(60));
@@ -299,10 +341,22 @@ int run(int argc, char** argv) {
         a.schedule.c_str(),
         a.sequence_parallel ? "on" : "off");
   }
+  // The stage's names are DenseGpt's, but for the head: the token table it is tied to.
+  const std::vector<torch_mp::checkpoint::Stage> stages{
+      {mine.ptr(), {{"head.weight", "tok.weight"}}}};
+  int first_step = 1;
+  if (a.resume && std::filesystem::exists(a.checkpoint)) {
+    TORCH_CHECK(!a.check, "gpt_3d: --check trains the reference from step 1; not with --resume");
+    const auto extra = torch_mp::checkpoint::load(a.checkpoint, stages, &optimizer, mesh);
+    first_step = std::stoi(extra.at("step")) + 1;
+    if (is_rank0) {
+      std::printf("resumed from %s after step %d\n", a.checkpoint.c_str(), first_step - 1);
+    }
+  }
   const int64_t global_batch = a.batch * mesh->dp_size();
   double worst_loss = 0.0;
   const auto start = std::chrono::steady_clock::now();
-  for (int step = 1; step <= a.steps; ++step) {
+  for (int step = first_step; step <= a.steps; ++step) {
     const auto [inputs, target] = corpus.batch(step, global_batch, a.seq);
     const auto share = [&](const torch::Tensor& t) {
       return t.slice(0, mesh->dp_rank() * a.batch, (mesh->dp_rank() + 1) * a.batch);
@@ -322,7 +376,8 @@ int run(int argc, char** argv) {
                          static_cast<double>(mesh->dp_size());
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::string line = progress(step, a.steps, value, global_batch * a.seq * step / seconds);
+    std::string line =
+        progress(step, a.steps, value, global_batch * a.seq * (step - first_step + 1) / seconds);
     if (a.check) {
       reference_optimizer->zero_grad();
       const auto expected = torch::nn::functional::cross_entropy(
@@ -339,6 +394,13 @@ int run(int argc, char** argv) {
       std::printf("%s\n", line.c_str());
       std::fflush(stdout);
     }
+    if (a.save_every > 0 && step % a.save_every == 0) {
+      torch_mp::checkpoint::save(
+          a.checkpoint, stages, &optimizer, {{"step", std::to_string(step)}}, mesh);
+    }
+  }
+  if (!a.probe.empty()) {
+    write_probe(a, corpus, stages, mesh);
   }
   if (!a.check) {
     return EXIT_SUCCESS;

@@ -108,8 +108,10 @@ def save(
     mesh: Mesh | None = None,
 ) -> None:
     """Saves ``model`` (this rank's module or pipeline stages), ``optimizer``'s state and
-    ``extra`` (anything ``torch.save`` takes) to the directory ``path``. Collective over every
-    rank of the mesh; each rank of data rank 0 writes its own parts, nothing is gathered.
+    ``extra`` (anything ``torch.save`` takes; a dict's str, int, float and bool items also go,
+    as strings, to a C++ ``torch_mp::checkpoint::load``) to the directory ``path``. Collective
+    over every rank of the mesh; each rank of data rank 0 writes its own parts, nothing is
+    gathered.
     ``rename`` maps the stages' names to the dense model's, as for :func:`export_dense`, so that
     the checkpoint loads into any other layout, from Python or C++.
 
@@ -151,6 +153,10 @@ def save(
         "param_groups": json.dumps(_hyperparameters(optimizer)),
         "values": json.dumps(values),
     }
+    if isinstance(extra, dict):  # what the C++ front end reads of it (its load returns strings)
+        for key, value in extra.items():
+            if isinstance(key, str) and isinstance(value, (str, int, float, bool)):
+                metadata[f"extra/{key}"] = str(value)
     files = [
         _C.checkpoint.shard_file(pp, t) for pp in range(mesh.pp_size) for t in range(mesh.tp_size)
     ]

@@ -1,0 +1,139 @@
+"""Checkpoints across front ends: the C++ GPT example (examples/cpp/gpt_3d.cpp), launched with
+torchrun, saves a checkpoint that Python loads, and resumes from one that Python saved; the
+dense model's logits agree on both sides.
+
+The Python side mirrors the example's one-process model (post-LN torch layers with biases, an
+output head tied to the token table, names ``tok``, ``pos``, ``layer<i>``). Logits are compared
+to 1e-5: LibTorch's and Python's multi-head attention are the same maths in another order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+from conftest import get_world
+from reference import use_mesh
+from torch import nn
+
+import torch_mp
+from torch_mp import checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / os.environ.get("TORCH_MP_BUILD", "build") / "examples/cpp/gpt_3d"
+TORCHRUN = Path(os.sys.executable).with_name("torchrun")
+HIDDEN, HEADS, FFN, LAYERS, SEQ = 32, 4, 64, 4, 32  # the example's defaults
+TOLERANCE = 1e-5
+
+
+def _vocab() -> int:
+    return len(set((ROOT / "README.md").read_bytes()))  # the example's characters
+
+
+class CppGpt(nn.Module):
+    """examples/cpp/gpt_3d.cpp's DenseGpt, in Python: [b, s] ids -> [s, b, vocab] logits."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tok = nn.Embedding(_vocab(), HIDDEN)
+        self.pos = nn.Embedding(SEQ, HIDDEN)
+        for i in range(LAYERS):
+            layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu")
+            self.add_module(f"layer{i}", layer)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.T
+        s = t.shape[0]
+        x = self.tok(t) + self.pos(torch.arange(s))[:, None]
+        mask = nn.Transformer.generate_square_subsequent_mask(s)
+        for i in range(LAYERS):
+            x = getattr(self, f"layer{i}")(x, src_mask=mask)
+        return x @ self.tok.weight.T
+
+
+class ParallelCppGpt(nn.Module):
+    """CppGpt tensor-parallel, its tensors under the same dense names."""
+
+    def __init__(self, dense: CppGpt) -> None:
+        super().__init__()
+        self.tok = torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
+        self.pos = dense.pos
+        for i in range(LAYERS):
+            layer = torch_mp.ParallelTransformerLayer.from_dense(getattr(dense, f"layer{i}"))
+            self.add_module(f"layer{i}", layer)
+
+
+def _torchrun(nproc: int, *args: str) -> str:
+    assert EXAMPLE.exists(), f"{EXAMPLE} is not built (make build)"
+    result = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--no-python", f"--nproc-per-node={nproc}", str(EXAMPLE)]
+        + list(args),
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def _logits_after_loading(path: str, probe: str) -> float:
+    use_mesh(1)
+    model = CppGpt(seed=5)  # other values until loaded
+    assert checkpoint.load(path, model) == {"step": "2"}  # the C++ extra: strings
+    expected = checkpoint.load_file(probe)[0]
+    with torch.no_grad():
+        return (model(expected["tokens"]) - expected["logits"]).abs().max().item()
+
+
+def test_a_checkpoint_the_cpp_example_saved_loads_in_python_with_equal_logits(tmp_path):
+    path, probe = str(tmp_path / "cpp_ckpt"), str(tmp_path / "probe.safetensors")
+    _torchrun(2, "--tp", "2", "--steps", "2", "--save-every", "2", "--checkpoint", path,
+              "--probe", probe)  # fmt: skip
+    assert sorted(os.listdir(path)) == [
+        "index.json",
+        "shard-0-0.safetensors",
+        "shard-0-1.safetensors",
+    ]
+    [difference] = get_world(1).run(_logits_after_loading, path, probe)
+    assert difference < TOLERANCE, difference
+
+
+def _save_from_python(path: str) -> None:
+    use_mesh(2)
+    model = ParallelCppGpt(CppGpt(seed=3))
+    checkpoint.save(path, model, extra={"step": 0})
+
+
+def test_the_cpp_example_resumes_from_a_python_checkpoint_with_equal_logits(tmp_path):
+    # Saved by Python at tp = 2, loaded by C++ at pp = 2: resharded on the way.
+    path, probe = str(tmp_path / "py_ckpt"), str(tmp_path / "probe.safetensors")
+    get_world(2).run(_save_from_python, path)
+    out = _torchrun(2, "--pp", "2", "--steps", "0", "--resume", "--checkpoint", path,
+                    "--probe", probe)  # fmt: skip
+    assert f"resumed from {path} after step 0" in out
+    expected = checkpoint.load_file(probe)[0]
+    with torch.no_grad():
+        logits = CppGpt(seed=3)(expected["tokens"])
+    assert (logits - expected["logits"]).abs().max().item() < TOLERANCE
+
+
+def _losses(out: str) -> dict[str, str]:
+    """The loss the example printed for each step ("step 5/6  loss 4.3166")."""
+    return {
+        line.split("step ")[1].split()[0]: line.split("loss ")[1].split()[0]
+        for line in out.splitlines()
+        if " loss " in line
+    }
+
+
+def test_the_cpp_example_resumes_at_another_layout_on_the_uninterrupted_loss_curve(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _torchrun(2, "--tp", "2", "--steps", "4", "--save-every", "2", "--checkpoint", path)
+    resumed = _losses(_torchrun(2, "--pp", "2", "--steps", "6", "--resume", "--checkpoint", path))
+    whole = _losses(_torchrun(2, "--pp", "2", "--steps", "6"))
+    assert sorted(resumed) == ["5/6", "6/6"]
+    assert resumed == {step: whole[step] for step in resumed}
