@@ -201,6 +201,35 @@ TensorMap load_tensors(const std::string& path,
   return tensors;
 }
 
+void load_into(const std::string& path,
+               const Header& header,
+               const std::string& name,
+               const at::Tensor& destination) {
+  const auto it = header.tensors.find(name);
+  TORCH_CHECK(it != header.tensors.end(), path, " holds no tensor ", name);
+  const auto& entry = it->second;
+  TORCH_CHECK(destination.is_cpu() && destination.is_contiguous() &&
+                  destination.scalar_type() == entry.dtype &&
+                  static_cast<uint64_t>(destination.nbytes()) == entry.end - entry.begin,
+              "safetensors: cannot read ",
+              name,
+              " of ",
+              path,
+              " into a ",
+              destination.scalar_type(),
+              " tensor of shape ",
+              destination.sizes());
+  if (destination.nbytes() == 0) {
+    return;
+  }
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "safetensors: cannot open ", path);
+  in.seekg(static_cast<std::streamoff>(header.data_start + entry.begin));
+  in.read(static_cast<char*>(destination.data_ptr()),
+          static_cast<std::streamsize>(destination.nbytes()));
+  TORCH_CHECK(in, path, ": reading ", name, " failed");
+}
+
 TensorMap load_file(const std::string& path, std::map<std::string, std::string>* metadata) {
   auto header = read_header(path);
   std::vector<std::string> names;

@@ -52,6 +52,13 @@ TensorMap load_tensors(const std::string& path,
                        const Header& header,
                        const std::vector<std::string>& names);
 
+/// Reads the tensor `name` of the file `path` straight into `destination`, a contiguous CPU
+/// tensor of its dtype and number of elements.
+void load_into(const std::string& path,
+               const Header& header,
+               const std::string& name,
+               const at::Tensor& destination);
+
 /// Reads a safetensors file: its tensors (on CPU) and, if `metadata` is given, its metadata.
 /// Raises, naming the file, if it is not safetensors or is cut short.
 TensorMap load_file(const std::string& path,

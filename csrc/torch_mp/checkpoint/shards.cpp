@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
-#include <set>
 #include <sstream>
 
 #include "torch_mp/checkpoint/json.h"
@@ -510,49 +509,52 @@ void Reader::load(const std::vector<Shard>& shards, const GroupPtr& group) const
   const std::string what = "torch_mp::checkpoint: cannot load " + path_;
   raise_anywhere(problems, what, group);
   try {
-    // Read each file once, only the blocks some shard overlaps.
-    std::map<size_t, std::set<std::string>> wanted;
+    // Every overlap of a shard's block with a saved block. One that is the whole saved block,
+    // into a contiguous part of the shard of the same dtype (the common case: a layout reading
+    // what it or a like one wrote), is read straight into place; the rest through a buffer.
+    struct Overlap {
+      const Shard* shard;
+      at::Tensor destination;
+      const Piece* piece;
+      Box from, part;
+    };
+    std::vector<Overlap> overlaps;
     for (const auto& shard : shards) {
       const auto shape = shard.dense_shape();
-      for (const auto& [box, origin] : boxes_of(shard)) {
-        for (const auto& piece : pieces_.at(shard.name)) {
-          if (box.intersect(Box(shape, piece.dim, piece.start, piece.length)).volume() > 0) {
-            wanted[piece.file].insert(piece.key);
-          }
-        }
-      }
-    }
-    std::map<std::pair<size_t, std::string>, at::Tensor> read;
-    for (const auto& [f, keys] : wanted) {
-      const auto& [file, header] = files_[f];
-      for (auto& [key, tensor] :
-           load_tensors(file, header, std::vector<std::string>(keys.begin(), keys.end()))) {
-        read[{f, key}] = tensor;
-      }
-    }
-    at::NoGradGuard no_grad;
-    for (const auto& shard : shards) {
-      const auto shape = shard.dense_shape();
-      const auto blocks = shard.blocks();
       int64_t held = 0;
-      for (const auto& block : blocks) {
+      for (const auto& block : shard.blocks()) {
         held += block.length;
       }
       if (shard.dim && held < shard.tensor.size(*shard.dim)) {
+        at::NoGradGuard no_grad;
         shard.tensor.zero_();  // padding rows
       }
       for (const auto& [box, origin] : boxes_of(shard)) {
         for (const auto& piece : pieces_.at(shard.name)) {
           const Box from(shape, piece.dim, piece.start, piece.length);
           const Box part = box.intersect(from);
-          if (part.volume() == 0) {
-            continue;
+          if (part.volume() > 0) {
+            overlaps.push_back({&shard, box.cut(shard.tensor, part, origin), &piece, from, part});
           }
-          const auto source = read.at({piece.file, piece.key});
-          box.cut(shard.tensor, part, origin)
-              .copy_(from.cut(source, part, std::vector<int64_t>(shape.size(), 0)));
         }
       }
+    }
+    std::map<std::pair<size_t, std::string>, at::Tensor> buffers;
+    for (auto& o : overlaps) {
+      const auto& [file, header] = files_[o.piece->file];
+      const bool whole = o.part.volume() == o.from.volume();
+      if (whole && o.destination.is_contiguous() && o.destination.is_cpu() &&
+          o.destination.scalar_type() == header.tensors.at(o.piece->key).dtype) {
+        load_into(file, header, o.piece->key, o.destination);
+        continue;
+      }
+      auto& buffer = buffers[{o.piece->file, o.piece->key}];
+      if (!buffer.defined()) {
+        buffer = load_tensors(file, header, {o.piece->key}).begin()->second;
+      }
+      at::NoGradGuard no_grad;
+      const auto shape = o.shard->dense_shape();
+      o.destination.copy_(o.from.cut(buffer, o.part, std::vector<int64_t>(shape.size(), 0)));
     }
   } catch (const c10::Error& e) {
     problems.push_back(e.what_without_backtrace());
