@@ -4,6 +4,11 @@ The build itself is CMake's (CMakeLists.txt holds the one list of C++ sources); 
 drives it to produce torch_mp._C. Torch must already be installed, so install with::
 
     pip install --no-build-isolation .
+
+With ``TORCH_MP_BUILD_DIR`` set to a CMake build directory that ``make build`` configured,
+the extension is built there (nothing to do when it is current) and taken from the tree
+(``torch_mp/_C*.so``) instead of configuring a build of its own: what ``make`` does for the
+editable install into the project's environment and for the wheel it tests.
 """
 
 import os
@@ -30,6 +35,14 @@ class CMakeBuild(build_ext):
         import torch.utils
 
         output_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        prebuilt = os.environ.get("TORCH_MP_BUILD_DIR")
+        if prebuilt:
+            subprocess.check_call(["cmake", "--build", prebuilt, "--target", "_C"])
+            [built] = (ROOT / "torch_mp").glob("_C.*.so")
+            output_dir.mkdir(parents=True, exist_ok=True)
+            if built.parent.resolve() != output_dir:
+                shutil.copy2(built, output_dir / built.name)
+            return
         build_dir = Path(self.build_temp).resolve()
         build_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")

@@ -21,6 +21,7 @@
 #include "tensor_checks.h"
 #include "thread_world.h"
 #include "torch_mp/checkpoint/safetensors.h"
+#include "torch_mp/layout.h"
 #include "torch_mp/tensor_parallel/blocks.h"
 #include "torch_mp/tensor_parallel/embedding.h"
 
@@ -87,6 +88,23 @@ TEST(Shard, BlocksOfAFusedWeightAndOfAPaddedVocabulary) {
   EXPECT_EQ(vocab.blocks()[0].dense_begin, 9);
   EXPECT_EQ(vocab.blocks()[0].length, 1);
   EXPECT_EQ(vocab.dense_shape(), (std::vector<int64_t>{10, 2}));
+}
+
+TEST(Shard, LayoutsOfFusedAndChannelShardedTensorsSurviveAClone) {
+  testing::run_on_mesh(2, testing::test_options(2), [](const Mesh& mesh) {
+    tensor_parallel::ParallelSelfAttention attention(
+        tensor_parallel::ParallelSelfAttentionOptions(8, 2).group(mesh.tp_group));
+    const auto copy =
+        std::dynamic_pointer_cast<tensor_parallel::ParallelSelfAttentionImpl>(attention->clone());
+    EXPECT_EQ(layout_of(copy->qkv->weight)->parts, 3);
+    EXPECT_EQ(layout_of(copy->qkv->bias)->parts, 3);
+    tensor_parallel::ParallelConvBlock block(
+        tensor_parallel::ParallelConvBlockOptions(2, 4, 2).group(mesh.tp_group));
+    const auto blocks =
+        std::dynamic_pointer_cast<tensor_parallel::ParallelConvBlockImpl>(block->clone());
+    EXPECT_EQ(layout_of(blocks->norm->running_mean)->shard_dim, 0);
+    EXPECT_EQ(layout_of(blocks->norm->weight)->shard_dim, 0);
+  });
 }
 
 constexpr int64_t kVocab = 7;  // not divisible by 2 or 4: padded rows

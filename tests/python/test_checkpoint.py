@@ -161,8 +161,25 @@ def test_a_second_save_replaces_the_first_only_when_complete(tmp_path):
     world = get_world(2)
     path = str(tmp_path / "ckpt")
     world.run(_save, 2, path)
+    os.makedirs(f"{path}.partial-00000000000000000001")  # left by a save that died
+    os.makedirs(f"{path}.previous-00000000000000000002")
     world.run(_save, 1, path)  # over it: the old one goes only once the new one is in place
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def _save_without_rename(path: str) -> str | None:
+    # Each stage's layers are named layers.0, layers.1 locally: saved without the rename that
+    # makes them the dense model's layers 0, 1 and 2, 3, both stages write "layers.0...".
+    mesh = use_mesh(1, 2)
+    stage, _ = _stage_and_rename(_dense_model(), mesh)
+    checkpoint.save(path, stage, rename={"head.weight": "tok.weight"})
+    return error_of(checkpoint.load, path, stage, rename={"head.weight": "tok.weight"})
+
+
+def test_two_stages_saving_different_tensors_under_one_name_are_refused(tmp_path):
+    for message in get_world(2).run(_save_without_rename, str(tmp_path / "ckpt")):
+        assert "differs between shard-0-0.safetensors and shard-1-0.safetensors" in message
+        assert "rename" in message
 
 
 _SAVER = """

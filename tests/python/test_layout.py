@@ -50,6 +50,22 @@ def _layouts() -> None:
     )
     assert _describe(column.to(torch.float64).weight) == (0, tp, False)
 
+    # Where checkpoints find the blocks: a fused Q/K/V weight in three parts, a vocabulary
+    # padded past its size, BatchNorm statistics over this rank's channels; kept when the
+    # tensors are replaced, whichever module's load runs last.
+    assert layout_of(layer.self_attn.qkv.weight).parts == 3
+    assert layout_of(torch_mp.VocabParallelEmbedding(13, 4).weight).dense_size == 13
+    assert layout_of(block.norm.running_mean).shard_dim == 0
+    attention = torch_mp.ParallelSelfAttention(8, 4)
+    attention.load_state_dict(
+        {k: torch.zeros_like(v) for k, v in attention.state_dict().items()}, assign=True
+    )
+    assert layout_of(attention.qkv.weight).parts == 3
+    assert layout_of(copy.deepcopy(attention).qkv.bias).parts == 3
+    block.load_state_dict({k: v.clone() for k, v in block.state_dict().items()}, assign=True)
+    assert layout_of(block.norm.running_var).shard_dim == 0
+    assert layout_of(block.norm.weight).shard_dim == 0
+
     # Layouts of one's own modules.
     mine = nn.Linear(4, 4)
     torch_mp.set_layout(mine.weight, shard_dim=1)

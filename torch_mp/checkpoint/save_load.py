@@ -16,10 +16,11 @@ like its parameter (Adam's moments) is laid out, and resharded, as the parameter
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -120,30 +121,22 @@ def save(
     any rank raises on every rank, naming it, and leaves ``path`` as it was.
     """
     mesh = mesh or get_mesh()
-    named = _all_dense_tensors(model, rename)
-    shards = [_shard(f"model/{name}", tensor, tensor, mesh) for name, tensor, _ in named]
+    shards: list = []
     values: dict[str, Any] = {}
-    problems = []
-    if optimizer is not None:
-        held = {id(t) for _, t, is_parameter in named if is_parameter}
-        outside = [
-            p for group in optimizer.param_groups for p in group["params"] if id(p) not in held
-        ]
-        if outside:
-            problems.append(
-                f"the optimizer holds {len(outside)} parameters (shapes "
-                f"{[tuple(p.shape) for p in outside[:4]]}) that the model does not name"
-            )
-        for name, p, is_parameter in named:
-            if not is_parameter:
-                continue
-            for key, value in optimizer.state.get(p, {}).items():
-                full = f"optim/{name}/{key}"
-                if isinstance(value, torch.Tensor):
-                    shaped = value.shape == p.shape and value.dim() > 0
-                    shards.append(_shard(full, value, p if shaped else value, mesh))
-                else:
-                    values[full] = value
+    problems: list[str] = []
+    with _collected(problems):
+        named = _all_dense_tensors(model, rename)
+        shards += [_shard(f"model/{name}", tensor, tensor, mesh) for name, tensor, _ in named]
+        if optimizer is not None:
+            _check_optimizer_named(optimizer, named)
+            for name, p, is_parameter in named:
+                for key, value in optimizer.state.get(p, {}).items() if is_parameter else ():
+                    full = f"optim/{name}/{key}"
+                    if isinstance(value, torch.Tensor):
+                        shaped = value.shape == p.shape and value.dim() > 0
+                        shards.append(_shard(full, value, p if shaped else value, mesh))
+                    else:
+                        values[full] = value
     _raise_anywhere(problems, "torch_mp.checkpoint.save failed", None)
     buffer = io.BytesIO()
     torch.save(extra, buffer)
@@ -205,28 +198,17 @@ def load(
     """
     mesh = mesh or get_mesh()
     reader = _C.checkpoint.Reader(os.fspath(path), _world_name())
-    named = _all_dense_tensors(model, rename)
-    shards = [_shard(f"model/{name}", tensor, tensor, mesh) for name, tensor, _ in named]
     metadata = reader.metadata
+    shards: list = []
     states: list[tuple[nn.Parameter, str, torch.Tensor]] = []
-    if optimizer is not None:
-        _check_hyperparameters(optimizer, metadata)
-        saved = reader.tensors
-        for name, p, is_parameter in named:
-            prefix = f"optim/{name}/"
-            if not is_parameter or f"model/{name}" not in saved:
-                continue  # (a missing parameter is named by reader.load)
-            dense_shape = saved[f"model/{name}"][1]
-            for key, (dtype, shape) in saved.items():
-                if not key.startswith(prefix):
-                    continue
-                if len(shape) > 0 and shape == dense_shape:  # laid out as the parameter
-                    value = torch.empty_like(p, dtype=dtype)
-                    shards.append(_shard(key, value, p, mesh))
-                else:  # whole (a step count), on the CPU as torch's optimizers keep it
-                    value = torch.empty(shape, dtype=dtype)
-                    shards.append(_shard(key, value, value, mesh))
-                states.append((p, key[len(prefix) :], value))
+    problems: list[str] = []
+    with _collected(problems):
+        named = _all_dense_tensors(model, rename)
+        shards += [_shard(f"model/{name}", tensor, tensor, mesh) for name, tensor, _ in named]
+        if optimizer is not None:
+            _check_hyperparameters(optimizer, metadata)
+            states = _optimizer_shards(optimizer, named, reader.tensors, mesh, shards)
+    _raise_anywhere(problems, f"torch_mp.checkpoint: cannot load {reader.path}", None)
     reader.load(shards, _world_name())
     if optimizer is not None:
         groups = json.loads(metadata.get("param_groups", "[]"))
@@ -244,6 +226,60 @@ def load(
     if os.path.exists(extra_path):
         return torch.load(extra_path, weights_only=False)
     return {k[len("extra/") :]: v for k, v in metadata.items() if k.startswith("extra/")}
+
+
+@contextlib.contextmanager
+def _collected(problems: list[str]) -> Iterator[None]:
+    """Turns an exception into one of ``problems``, which every rank then hears of: a rank that
+    raised alone would leave the others waiting in the next collective."""
+    try:
+        yield
+    except Exception as e:
+        problems.append(f"{type(e).__name__}: {e}")
+
+
+def _check_optimizer_named(optimizer: torch.optim.Optimizer, named) -> None:
+    held = {id(t) for _, t, is_parameter in named if is_parameter}
+    outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in held]
+    if outside:
+        raise RuntimeError(
+            f"the optimizer holds {len(outside)} parameters (shapes "
+            f"{[tuple(p.shape) for p in outside[:4]]}) that the model does not name; their "
+            "state would be lost"
+        )
+
+
+def _optimizer_shards(optimizer, named, saved: dict, mesh: Mesh, shards: list) -> list:
+    """Appends to ``shards`` a tensor for every state tensor the checkpoint holds for a
+    parameter of ``named``; returns (parameter, state name, tensor) for each. A tensor shaped
+    like its dense parameter is laid out as the parameter, on its device; anything else is
+    read whole: a step count on the CPU, as torch's optimizers keep it unless fused or
+    capturable."""
+    on_device = {
+        id(p)
+        for g in optimizer.param_groups
+        if g.get("fused") or g.get("capturable")
+        for p in g["params"]
+    }
+    states = []
+    for name, p, is_parameter in named:
+        prefix = f"optim/{name}/"
+        if not is_parameter or f"model/{name}" not in saved:
+            continue  # (a missing parameter is named by reader.load)
+        dense_shape = saved[f"model/{name}"][1]
+        for key, (dtype, shape) in saved.items():
+            if not key.startswith(prefix):
+                continue
+            state = key[len(prefix) :]
+            if len(shape) > 0 and shape == dense_shape:  # laid out as the parameter
+                value = torch.empty_like(p, dtype=dtype)
+                shards.append(_shard(key, value, p, mesh))
+            else:
+                cpu = state == "step" and id(p) not in on_device
+                value = torch.empty(shape, dtype=dtype, device="cpu" if cpu else p.device)
+                shards.append(_shard(key, value, value, mesh))
+            states.append((p, state, value))
+    return states
 
 
 def _check_hyperparameters(optimizer: torch.optim.Optimizer, metadata: dict[str, str]) -> None:

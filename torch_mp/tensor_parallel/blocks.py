@@ -165,14 +165,11 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
             sequence_parallel,
             self.group,
         )
+        self.qkv._layout_parts = 3  # this rank's rows of Q, of K and of V
         _materialise(self, device, dtype)
 
     # Parameter names in the dense counterpart (to_dense), by prefix (torch_mp.checkpoint).
     DENSE_NAMES = {"qkv.": "in_proj_", "proj.": "out_proj."}
-
-    def _register_layouts(self) -> None:
-        for param in self.qkv.parameters():  # this rank's rows of Q, of K and of V
-            _C.set_layout(param, 0, self.group.group_name, 3)
 
     def reset_parameters(self) -> None:
         """Draws an ``nn.MultiheadAttention`` (as it initialises itself) and keeps our heads."""
@@ -524,6 +521,21 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         return parallel
 
 
+class _ChannelShardedBatchNorm2d(SharesGroup, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` over this rank's channels: its parameters and running statistics
+    recorded as sharded along dim 0 (re-recorded whenever they are replaced)."""
+
+    def __init__(self, num_features: int, group: dist.ProcessGroup, **kwargs) -> None:
+        super().__init__(num_features, **kwargs)
+        self.group = group
+        self._register_layouts()
+
+    def _register_layouts(self) -> None:
+        for tensor in (self.weight, self.bias, self.running_mean, self.running_var):
+            if tensor is not None:
+                _C.set_layout(tensor, 0, self.group.group_name)
+
+
 class ParallelConvBlock(SharesGroup, nn.Module):
     """``conv2(relu(norm(conv1(x))))`` with the middle channels split across the group.
 
@@ -563,14 +575,11 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         )
         conv = {"padding": padding, "bias": bias, "group": self.group, "device": "meta"}
         self.conv1 = ColumnParallelConv2d(in_channels, mid_channels, kernel_size, **conv)
-        self.norm = nn.BatchNorm2d(mid_channels // dist.get_world_size(self.group), device="meta")
+        self.norm = _ChannelShardedBatchNorm2d(
+            mid_channels // dist.get_world_size(self.group), self.group, device="meta"
+        )
         self.conv2 = RowParallelConv2d(mid_channels, out_channels, kernel_size, **conv)
         _materialise(self, device, dtype)
-
-    def _register_layouts(self) -> None:
-        for tensor in (*self.norm.parameters(), self.norm.running_mean, self.norm.running_var):
-            if tensor is not None:
-                _C.set_layout(tensor, 0, self.group.group_name)  # this rank's channels
 
     def reset_parameters(self) -> None:
         """Draws conv1 then conv2 as ``nn.Conv2d`` layers would be drawn."""

@@ -58,8 +58,16 @@ class _ParallelLinear(SharesGroup, nn.Module):
     def _group_name(self) -> str:
         return self.group.group_name
 
+    # Equal parts of the output dim, each split over the group on its own (3 for a fused Q/K/V
+    # projection, set by ParallelSelfAttention): recorded in the layout, for checkpoints.
+    _layout_parts = 1
+
     def _register_layouts(self) -> None:
         _C.set_weight_and_bias_layout(self.weight, self.bias, self._SHARD_DIM, self._group_name)
+        if self._layout_parts != 1:
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    _C.set_layout(param, 0, self._group_name, self._layout_parts)
 
     def reset_parameters(self) -> None:
         """Draws this rank's shard of a dense layer initialised exactly as ``nn.Linear`` is.

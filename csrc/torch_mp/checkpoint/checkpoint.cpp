@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <set>
 #include <unordered_set>
 
 #include "torch_mp/tensor_parallel/blocks.h"
@@ -108,24 +107,46 @@ ParamState state_of(torch::optim::Optimizer& optimizer, const at::Tensor& parame
               "and SGD are)");
 }
 
-/// Creates `parameter`'s state in `optimizer` for the state tensors `names` (filled by the
-/// caller) and step `step`; returns the tensors to fill.
-std::map<std::string, at::Tensor> make_state(torch::optim::Optimizer& optimizer,
-                                             const at::Tensor& parameter,
-                                             const std::set<std::string>& names,
-                                             std::optional<int64_t> step) {
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& name : names) {
-    tensors[name] = at::zeros_like(parameter);
+/// The kind of state `optimizer` keeps, by the names of its tensors: nullopt if unsupported.
+std::optional<std::vector<std::string>> state_names(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) ||
+      dynamic_cast<const torch::optim::Adam*>(&optimizer)) {
+    return std::vector<std::string>{"exp_avg", "exp_avg_sq"};
   }
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+    return std::vector<std::string>{"momentum_buffer"};
+  }
+  return std::nullopt;
+}
+
+/// Raises unless the saved state `tensors` of parameter `name` fit `optimizer`'s kind.
+void check_state_fits(const torch::optim::Optimizer& optimizer,
+                      const std::map<std::string, at::Tensor>& tensors,
+                      const std::string& name) {
+  const auto names = state_names(optimizer);
+  TORCH_CHECK(names, "optimizers of this kind are not supported (Adam, AdamW and SGD are)");
+  for (const auto& needed : *names) {
+    TORCH_CHECK(tensors.count(needed),
+                "the checkpoint's optimizer state of ",
+                name,
+                " has no ",
+                needed,
+                ": it was saved from another kind of optimizer");
+  }
+}
+
+/// Replaces `parameter`'s state in `optimizer` with `tensors` (checked by check_state_fits)
+/// and step `step`.
+void set_state(torch::optim::Optimizer& optimizer,
+               const at::Tensor& parameter,
+               const std::map<std::string, at::Tensor>& tensors,
+               std::optional<int64_t> step) {
   const auto get = [&](const char* name) {
     const auto it = tensors.find(name);
     return it == tensors.end() ? at::Tensor() : it->second;
   };
   std::unique_ptr<torch::optim::OptimizerParamState> state;
   const auto adam = [&](auto made) {
-    TORCH_CHECK(tensors.count("exp_avg") && tensors.count("exp_avg_sq"),
-                "torch_mp::checkpoint: the checkpoint's optimizer state is not Adam's");
     made->exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq")).step(step.value_or(0));
     made->max_exp_avg_sq(get("max_exp_avg_sq"));
     state = std::move(made);
@@ -134,19 +155,23 @@ std::map<std::string, at::Tensor> make_state(torch::optim::Optimizer& optimizer,
     adam(std::make_unique<torch::optim::AdamWParamState>());
   } else if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
     adam(std::make_unique<torch::optim::AdamParamState>());
-  } else if (dynamic_cast<torch::optim::SGD*>(&optimizer)) {
-    TORCH_CHECK(tensors.count("momentum_buffer"),
-                "torch_mp::checkpoint: the checkpoint's optimizer state is not SGD's");
+  } else {
     auto made = std::make_unique<torch::optim::SGDParamState>();
     made->momentum_buffer(get("momentum_buffer"));
     state = std::move(made);
-  } else {
-    TORCH_CHECK(false,
-                "torch_mp::checkpoint: optimizers of this kind are not supported (Adam, AdamW "
-                "and SGD are)");
   }
   optimizer.state()[parameter.unsafeGetTensorImpl()] = std::move(state);
-  return tensors;
+}
+
+template <typename Body>
+void attempt(std::vector<std::string>& problems, const Body& body) {
+  try {
+    body();
+  } catch (const c10::Error& e) {
+    problems.push_back(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    problems.push_back(e.what());
+  }
 }
 
 std::vector<DenseTensor> all_dense_tensors(const std::vector<Stage>& stages) {
@@ -200,10 +225,28 @@ void save(const std::string& path,
           const std::map<std::string, std::string>& extra,
           std::shared_ptr<Mesh> mesh) {
   mesh = mesh ? mesh : get_mesh();
-  const auto tensors = all_dense_tensors(stages);
-  auto shards = model_shards(tensors, *mesh);
-  std::vector<at::Tensor> steps;  // kept alive until written
-  if (optimizer) {
+  std::vector<Shard> shards;
+  std::vector<std::string> problems;
+  attempt(problems, [&] {
+    const auto tensors = all_dense_tensors(stages);
+    shards = model_shards(tensors, *mesh);
+    if (!optimizer) {
+      return;
+    }
+    std::unordered_set<const c10::TensorImpl*> named;
+    for (const auto& t : tensors) {
+      named.insert(t.tensor.unsafeGetTensorImpl());
+    }
+    int64_t outside = 0;
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) {
+        outside += named.count(p.unsafeGetTensorImpl()) ? 0 : 1;
+      }
+    }
+    TORCH_CHECK(outside == 0,
+                "the optimizer holds ",
+                outside,
+                " parameters that the stages do not name; their state would be lost");
     for (const auto& t : tensors) {
       if (!t.is_parameter) {
         continue;
@@ -219,7 +262,8 @@ void save(const std::string& path,
                                     *mesh));
       }
     }
-  }
+  });
+  raise_anywhere(problems, "torch_mp::checkpoint::save of " + path + " failed", mesh->world);
   std::map<std::string, std::string> metadata{
       {"mesh",
        "tp=" + std::to_string(mesh->tp_size()) + " pp=" + std::to_string(mesh->pp_size()) +
@@ -246,18 +290,23 @@ std::map<std::string, std::string> load(const std::string& path,
                                         std::shared_ptr<Mesh> mesh) {
   mesh = mesh ? mesh : get_mesh();
   const Reader reader(path, mesh->world);
-  const auto tensors = all_dense_tensors(stages);
-  auto shards = model_shards(tensors, *mesh);
-  // Optimizer state is created, and filled below, for every parameter the checkpoint has some
-  // for; it replaces what the optimizer held only once everything has been read.
+  // Optimizer state is read into new tensors, and replaces what the optimizer holds once
+  // everything has been read; the model is written in place (Reader::load checks on every
+  // rank that everything is there before it writes anything).
   struct Pending {
     at::Tensor parameter;
-    std::set<std::string> names = {};
     std::map<std::string, at::Tensor> tensors = {};
-    at::Tensor step_value = {};
+    at::Tensor step = {};
   };
   std::vector<Pending> pending;
-  if (optimizer) {
+  std::vector<Shard> shards;
+  std::vector<std::string> problems;
+  attempt(problems, [&] {
+    const auto tensors = all_dense_tensors(stages);
+    shards = model_shards(tensors, *mesh);
+    if (!optimizer) {
+      return;
+    }
     for (const auto& t : tensors) {
       if (!t.is_parameter) {
         continue;
@@ -269,45 +318,25 @@ std::map<std::string, std::string> load(const std::string& path,
            ++it) {
         const auto state = it->first.substr(prefix.size());
         if (state == "step") {
-          p.step_value = at::zeros({}, at::kFloat);
-          shards.push_back(step_shard(it->first, p.step_value, *mesh));
+          p.step = at::zeros({}, at::kFloat);
+          shards.push_back(step_shard(it->first, p.step, *mesh));
         } else {
-          p.names.insert(state);
           p.tensors[state] = at::empty_like(t.tensor);
           shards.push_back(shard_of(it->first, p.tensors[state], t.tensor, mesh->tp_group));
         }
       }
-      if (!p.names.empty()) {
+      if (!p.tensors.empty()) {
+        check_state_fits(*optimizer, p.tensors, t.name);
         pending.push_back(std::move(p));
       }
     }
-  }
-  // Read into copies first: nothing changes unless every rank has everything.
-  std::vector<at::Tensor> targets;
-  for (auto& shard : shards) {
-    if (shard.name.rfind(kModel, 0) == 0) {
-      targets.push_back(shard.tensor);
-      shard.tensor = at::empty_like(shard.tensor);
-    }
-  }
+  });
+  raise_anywhere(problems, "torch_mp::checkpoint: cannot load " + reader.path(), mesh->world);
   reader.load(shards, mesh->world);
-  {
-    at::NoGradGuard no_grad;
-    size_t i = 0;
-    for (const auto& shard : shards) {
-      if (shard.name.rfind(kModel, 0) == 0) {
-        targets[i++].copy_(shard.tensor);
-      }
-    }
-  }
   for (auto& p : pending) {
-    const auto step = p.step_value.defined()
-                          ? std::optional<int64_t>(std::llround(p.step_value.item<double>()))
-                          : std::nullopt;
-    auto made = make_state(*optimizer, p.parameter, p.names, step);
-    for (auto& [name, tensor] : made) {
-      tensor.copy_(p.tensors.at(name));
-    }
+    const auto step = p.step.defined() ? std::optional<int64_t>(std::llround(p.step.item<double>()))
+                                       : std::nullopt;
+    set_state(*optimizer, p.parameter, p.tensors, step);
   }
   std::map<std::string, std::string> extra;
   for (const auto& [key, value] : reader.metadata()) {
@@ -323,18 +352,11 @@ void load_dense(const std::string& path,
                 std::shared_ptr<Mesh> mesh) {
   mesh = mesh ? mesh : get_mesh();
   const Reader reader(path, mesh->world, kModel);
-  const auto tensors = all_dense_tensors(stages);
-  auto shards = model_shards(tensors, *mesh);
-  std::vector<at::Tensor> targets;
-  for (auto& shard : shards) {
-    targets.push_back(shard.tensor);
-    shard.tensor = at::empty_like(shard.tensor);
-  }
+  std::vector<Shard> shards;
+  std::vector<std::string> problems;
+  attempt(problems, [&] { shards = model_shards(all_dense_tensors(stages), *mesh); });
+  raise_anywhere(problems, "torch_mp::checkpoint: cannot load " + path, mesh->world);
   reader.load(shards, mesh->world);
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    targets[i].copy_(shards[i].tensor);
-  }
 }
 
 void export_dense(const std::string& path,

@@ -6,9 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <sstream>
 
 #include "torch_mp/checkpoint/json.h"
@@ -127,6 +127,26 @@ void move_into_place(const std::string& partial, const std::string& path, const 
   if (!previous.empty()) {
     std::error_code ignored;
     fs::remove_all(previous, ignored);
+  }
+}
+
+/// Removes what saves to `path` that died left behind: unfinished directories, and earlier
+/// checkpoints set aside when `path` itself is complete.
+void remove_leftovers(const std::string& path) {
+  const fs::path p(path);
+  const auto parent = p.parent_path();
+  if (!fs::is_directory(parent)) {
+    return;
+  }
+  const bool complete = fs::exists(p / kIndex);
+  for (const auto& entry : fs::directory_iterator(parent)) {
+    const auto name = entry.path().filename().string();
+    const auto base = p.filename().string();
+    if (name.rfind(base + ".partial-", 0) == 0 ||
+        (complete && name.rfind(base + ".previous-", 0) == 0)) {
+      std::error_code ignored;
+      fs::remove_all(entry.path(), ignored);
+    }
   }
 }
 
@@ -270,15 +290,19 @@ void save(const std::string& path_in,
   const std::string what = "torch_mp::checkpoint::save of " + path_in + " failed";
   const std::string path = fs::absolute(path_in).lexically_normal().string();
   const bool root = !group || group->getRank() == 0;
-  // One name for this save's directory, drawn on rank 0.
+  // One name for this save's directory, rank 0's clock in ns (so that of earlier checkpoints
+  // set aside, the newest sorts last), zero-padded.
   auto token = at::zeros({1}, at::kLong);
   if (root) {
-    token[0] = static_cast<int64_t>(std::random_device{}() & 0x7fffffff);
+    token[0] = static_cast<int64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::system_clock::now().time_since_epoch())
+                                        .count());
   }
   if (group && group->getSize() > 1) {
     token = comm::all_reduce(token, group, c10d::ReduceOp::SUM);
   }
-  const std::string tag = std::to_string(token.item<int64_t>());
+  std::string tag = std::to_string(token.item<int64_t>());
+  tag.insert(0, 20 - std::min<size_t>(20, tag.size()), '0');
   const std::string partial = path + ".partial-" + tag;
   std::vector<std::string> problems;
   const auto attempt = [&problems](const auto& body) {
@@ -291,7 +315,10 @@ void save(const std::string& path_in,
     }
   };
   if (root) {
-    attempt([&] { fs::create_directories(partial); });
+    attempt([&] {
+      remove_leftovers(path);
+      fs::create_directories(partial);
+    });
   }
   raise_anywhere(problems, what, group);
 
@@ -303,15 +330,26 @@ void save(const std::string& path_in,
         if (!shard.dim && shard.rank != 0) {
           continue;  // a whole tensor: one rank of its group writes it
         }
+        TORCH_CHECK(shard.name.find('@') == std::string::npos,
+                    "tensor names may not contain '@' (",
+                    shard.name,
+                    ")");
         shapes.emplace(shard.name, shape_text(shard.dense_shape()));
         for (const auto& block : shard.blocks()) {
           const auto key = key_of(shard.name, shard.dim, block.dense_begin);
-          if (tensors.count(key)) {
-            continue;  // a tied copy on the same rank
+          const auto part = shard.dim
+                                ? shard.tensor.narrow(*shard.dim, block.local_begin, block.length)
+                                : shard.tensor;
+          const auto known = tensors.find(key);
+          if (known == tensors.end()) {
+            tensors.emplace(key, part);
+            continue;
           }
-          tensors[key] = shard.dim
-                             ? shard.tensor.narrow(*shard.dim, block.local_begin, block.length)
-                             : shard.tensor;
+          // The same name twice on this rank: a tied copy (equal), or a rename that is missing.
+          TORCH_CHECK(known->second.sizes() == part.sizes() && known->second.equal(part),
+                      "two different tensors of this rank are both named ",
+                      shard.name,
+                      " (does a stage's rename to the dense model's names miss them?)");
         }
       }
       save_file(tensors, (fs::path(partial) / *file).string(), shapes);
@@ -401,6 +439,7 @@ Reader::Reader(const std::string& path, const GroupPtr& group, const std::string
           metadata_[key] = value.string;
         }
       }
+      TORCH_CHECK(fields.count("files"), index_path, " lists no files");
       std::vector<std::string> missing;
       for (const auto& name : fields.at("files").array) {
         const auto file = (fs::path(path_) / name.string).string();
@@ -423,10 +462,18 @@ Reader::Reader(const std::string& path, const GroupPtr& group, const std::string
         if (!dense && at != std::string::npos) {
           name = key.substr(0, at);
           const auto colon = key.find(':', at);
+          const auto number = [&](const std::string& text) {
+            TORCH_CHECK(!text.empty() && text.find_first_not_of("0123456789") == std::string::npos,
+                        file,
+                        ": malformed tensor key ",
+                        key,
+                        " (expected <name>@<dim>:<start>)");
+            return std::stoll(text);
+          };
           TORCH_CHECK(colon != std::string::npos, file, ": malformed tensor key ", key);
-          piece.dim = std::stoll(key.substr(at + 1, colon - at - 1));
-          piece.start = std::stoll(key.substr(colon + 1));
-          TORCH_CHECK(*piece.dim >= 0 && *piece.dim < static_cast<int64_t>(shape.size()),
+          piece.dim = number(key.substr(at + 1, colon - at - 1));
+          piece.start = number(key.substr(colon + 1));
+          TORCH_CHECK(*piece.dim < static_cast<int64_t>(shape.size()),
                       file,
                       ": tensor key ",
                       key,
@@ -450,22 +497,11 @@ Reader::Reader(const std::string& path, const GroupPtr& group, const std::string
                       shape_text(known->second.shape),
                       "] in another file");
         }
-        auto& pieces = pieces_[name];
-        const bool seen =
-            std::any_of(pieces.begin(), pieces.end(), [&](const Piece& p) { return p.key == key; });
-        if (!seen) {  // a tied copy, saved by both its stages
-          pieces.push_back(std::move(piece));
-        }
+        pieces_[name].push_back(std::move(piece));
       }
     }
-    // A tensor saved whole somewhere (a tied copy replicated where the original is sharded)
-    // is read whole: the blocks of one layout tile a tensor, pieces of two would overlap.
     for (auto& [name, pieces] : pieces_) {
-      const auto whole = std::find_if(
-          pieces.begin(), pieces.end(), [](const Piece& p) { return !p.dim.has_value(); });
-      if (whole != pieces.end()) {
-        pieces = {*whole};
-      }
+      keep_one_copy(name, pieces);
     }
   } catch (const c10::Error& e) {
     problems.push_back(e.what_without_backtrace());
@@ -473,6 +509,46 @@ Reader::Reader(const std::string& path, const GroupPtr& group, const std::string
     problems.push_back(e.what());
   }
   raise_anywhere(problems, "torch_mp::checkpoint: cannot read " + path, group);
+}
+
+void Reader::keep_one_copy(const std::string& name, std::vector<Piece>& pieces) const {
+  // Several stages may save one tensor (a head tied to the embedding): the same blocks under
+  // the same keys, or the whole tensor where the original is sharded. One copy is kept; the
+  // others must be equal to it, or two different tensors were saved under one name.
+  const auto whole =
+      std::find_if(pieces.begin(), pieces.end(), [](const Piece& p) { return !p.dim.has_value(); });
+  std::vector<Piece> kept;
+  if (whole != pieces.end()) {
+    kept.push_back(*whole);
+  }
+  const auto read = [&](const Piece& p) {
+    const auto& [file, header] = files_[p.file];
+    return load_tensors(file, header, {p.key}).begin()->second;
+  };
+  for (const auto& piece : pieces) {
+    const auto same = std::find_if(
+        kept.begin(), kept.end(), [&](const Piece& k) { return !k.dim || k.key == piece.key; });
+    if (same == kept.end()) {
+      kept.push_back(piece);
+      continue;
+    }
+    if (same->file == piece.file && same->key == piece.key) {
+      continue;
+    }
+    auto reference = read(*same);
+    if (!same->dim && piece.dim) {
+      reference = reference.narrow(*piece.dim, piece.start, piece.length);
+    }
+    TORCH_CHECK(reference.equal(read(piece)),
+                name,
+                " differs between ",
+                fs::path(files_[same->file].first).filename().string(),
+                " and ",
+                fs::path(files_[piece.file].first).filename().string(),
+                ": two different tensors were saved under one name (does a stage's rename to the "
+                "dense model's names miss them?)");
+  }
+  pieces = std::move(kept);
 }
 
 std::vector<std::string> Reader::problems(const Shard& shard) const {
@@ -492,9 +568,8 @@ std::vector<std::string> Reader::problems(const Shard& shard) const {
       covered += box.intersect(Box(shape, piece.dim, piece.start, piece.length)).volume();
     }
     if (covered != box.volume()) {
-      return {shard.name + ": the checkpoint's parts cover " + std::to_string(covered) +
-              " of the " + std::to_string(box.volume()) +
-              " elements this rank needs (a shard file is missing)"};
+      return {shard.name + ": the checkpoint's blocks of it cover " + std::to_string(covered) +
+              " of the " + std::to_string(box.volume()) + " elements this rank needs"};
     }
   }
   return {};

@@ -127,6 +127,7 @@ class Reader {
     int64_t length = 0;
   };
   std::vector<std::string> problems(const Shard& shard) const;
+  void keep_one_copy(const std::string& name, std::vector<Piece>& pieces) const;
 
   std::string path_;
   std::vector<std::pair<std::string, Header>> files_;

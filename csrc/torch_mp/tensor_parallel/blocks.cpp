@@ -282,9 +282,7 @@ void ParallelSelfAttentionImpl::reset() {
                                  .bias(o.bias())
                                  .sequence_parallel(o.sequence_parallel())
                                  .group(o.group())));
-  for (const auto& p : qkv->parameters()) {  // this rank's rows of Q, of K and of V
-    set_layout(p, ParameterLayout{0, o.group(), false, /*parts=*/3});
-  }
+  register_layouts();
   if (initialise_) {
     reset_parameters();
   }
@@ -320,6 +318,19 @@ at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x,
                                        is_causal,
                                        is_training() ? options.dropout() : 0.0);
   return proj(context);
+}
+
+void ParallelSelfAttentionImpl::register_layouts() {
+  for (const auto& p : qkv->parameters()) {  // this rank's rows of Q, of K and of V
+    set_layout(p, ParameterLayout{0, options.group(), false, /*parts=*/3});
+  }
+}
+
+std::shared_ptr<torch::nn::Module> ParallelSelfAttentionImpl::clone(
+    const std::optional<torch::Device>& device) const {
+  auto copy = Cloneable::clone(device);
+  std::dynamic_pointer_cast<ParallelSelfAttentionImpl>(copy)->register_layouts();
+  return copy;
 }
 
 const DenseNames& ParallelSelfAttentionImpl::dense_names() {
@@ -565,6 +576,22 @@ ParallelConvBlockImpl::ParallelConvBlockImpl(ParallelConvBlockOptions options_, 
   reset();
 }
 
+void ParallelConvBlockImpl::register_layouts() {
+  // This rank's channels: the norm's parameters and running statistics.
+  for (const auto& t : {norm->weight, norm->bias, norm->running_mean, norm->running_var}) {
+    if (t.defined()) {
+      set_sharded(t, 0, options.group());
+    }
+  }
+}
+
+std::shared_ptr<torch::nn::Module> ParallelConvBlockImpl::clone(
+    const std::optional<torch::Device>& device) const {
+  auto copy = Cloneable::clone(device);
+  std::dynamic_pointer_cast<ParallelConvBlockImpl>(copy)->register_layouts();
+  return copy;
+}
+
 void ParallelConvBlockImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
@@ -586,11 +613,7 @@ void ParallelConvBlockImpl::reset() {
   conv1 = register_module("conv1", ColumnParallelConv2dImpl::uninitialised(conv1_options));
   norm = register_module("norm", torch::nn::BatchNorm2d(o.mid_channels() / o.group()->getSize()));
   conv2 = register_module("conv2", RowParallelConv2dImpl::uninitialised(conv2_options));
-  for (const auto& p : norm->parameters()) {
-    set_sharded(p, 0, o.group());  // this rank's channels
-  }
-  set_sharded(norm->running_mean, 0, o.group());
-  set_sharded(norm->running_var, 0, o.group());
+  register_layouts();
   if (initialise_) {
     reset_parameters();
   }

@@ -162,6 +162,9 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
   torch::nn::MultiheadAttention to_dense() const;
   /// Parameter names in the dense module, by prefix (torch_mp::checkpoint).
   static const DenseNames& dense_names();
+  /// A deep copy, its layouts recorded (Cloneable's copy replaces the children's tensors).
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<torch::Device>& device = std::nullopt) const override;
 
   ParallelSelfAttentionOptions options;
   ColumnParallelLinear qkv = nullptr;
@@ -169,6 +172,7 @@ class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttent
 
  private:
   ParallelSelfAttentionImpl(ParallelSelfAttentionOptions options, bool initialise);
+  void register_layouts();
   bool initialise_ = true;
 };
 TORCH_MODULE(ParallelSelfAttention);
@@ -318,6 +322,9 @@ class ParallelConvBlockImpl : public torch::nn::Cloneable<ParallelConvBlockImpl>
                                       GroupPtr group = {});
   /// Shards a torch_mp::dense::ConvBlock.
   static ParallelConvBlock from_dense(const dense::ConvBlock& block, GroupPtr group = {});
+  /// A deep copy, its layouts recorded (Cloneable's copy replaces the children's tensors).
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<torch::Device>& device = std::nullopt) const override;
 
   ParallelConvBlockOptions options;
   ColumnParallelConv2d conv1 = nullptr;
@@ -326,6 +333,7 @@ class ParallelConvBlockImpl : public torch::nn::Cloneable<ParallelConvBlockImpl>
 
  private:
   ParallelConvBlockImpl(ParallelConvBlockOptions options, bool initialise);
+  void register_layouts();
   bool initialise_ = true;
 };
 TORCH_MODULE(ParallelConvBlock);
