@@ -48,6 +48,14 @@ $(BUILD)/build.ninja: $(VENV)/.installed | system-packages
 
 build: $(BUILD)/build.ninja
 	$(VENV)/bin/cmake --build $(BUILD) -j $(MAX_JOBS)
+	@$(MAKE) --no-print-directory $(VENV)/.editable
+
+# torch_mp installed into the environment, editable: the package is this checkout (its _C the
+# one just built), so `import torch_mp` and `torchrun script.py` work from any directory.
+$(VENV)/.editable: setup.py
+	PATH="$(abspath $(VENV))/bin:$$PATH" TORCH_MP_BUILD_DIR=$(BUILD) \
+	  $(PYTHON) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
 
 # ---- tests and demo ---------------------------------------------------------------------------
 
@@ -60,7 +68,7 @@ test-python: build
 test: test-cpp test-python
 
 demo: build
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/torchrun --standalone --nproc-per-node=8 \
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=8 \
 	  examples/python/gpt_3d.py --tp 2 --pp 2 --dp 2 --schedule 1f1b --steps $(DEMO_STEPS) --check
 
 clean:

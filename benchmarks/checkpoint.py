@@ -2,7 +2,7 @@
 
 Run on CPU with Gloo (2 ranks, tensor parallel)::
 
-    PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/checkpoint.py
+    .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/checkpoint.py
 
 The model is ``--layers`` ``ParallelTransformerLayer``s of hidden size ``--hidden`` (ffn 4x),
 tensor-parallel over the ranks, with AdamW state after one step (moments and step count): each

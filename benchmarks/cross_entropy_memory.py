@@ -8,7 +8,7 @@ Memory is the peak of tensor storage allocated during the call and alive at once
 themselves not counted, their gradient counted), measured at the dispatcher (torch_mp._memory),
 so it works on the CPU. V defaults to GPT-2's 50257, which 4 does not divide (padded shards).
 
-    PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=4 \\
+    .venv/bin/torchrun --standalone --nproc-per-node=4 \\
         benchmarks/cross_entropy_memory.py
 """
 

@@ -2,7 +2,7 @@
 
 Run on CPU with Gloo (2 ranks)::
 
-    PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/data_parallel.py
+    .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/data_parallel.py
 
 One training step is forward + backward (mean-squared error against a random target) + an SGD
 step, of an MLP of ``--layers`` x (``nn.Linear(width, width)`` + GELU) in fp32, on a batch of
@@ -122,7 +122,7 @@ def run(runners: list[Runner], x, y, steps: int, warmup: int, control) -> None:
 
 
 def command(world: int) -> str:
-    return f"PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node={world} " + " ".join(
+    return f".venv/bin/torchrun --standalone --nproc-per-node={world} " + " ".join(
         ["benchmarks/data_parallel.py", *sys.argv[1:]]
     )
 

@@ -3,7 +3,7 @@ predicts, for every schedule.
 
 Run on CPU with Gloo (2 ranks)::
 
-    PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline_memory.py
+    .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline_memory.py
 
 Each stage is 4 x (``nn.Linear(W, W)`` + GELU); m micro-batches of ``rows`` rows. Memory is
 counted at the dispatcher (``torch_mp._memory.PeakMemory``, which works on the CPU): the most
@@ -113,7 +113,7 @@ def main() -> int:
                 print(f"| {name} | {rank} | {live} | {predicted / mib:.1f} | {peak / mib:.1f} |")
         print()
         print(
-            "command: PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=2 "
+            "command: .venv/bin/torchrun --standalone --nproc-per-node=2 "
             "benchmarks/pipeline_memory.py"
         )
     dist.destroy_process_group()

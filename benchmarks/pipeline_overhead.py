@@ -3,7 +3,7 @@ torch.distributed.pipelining, for the same schedules, stages and micro-batches.
 
 Run on CPU with Gloo (4 ranks; two cores are enough, since the stages only sleep)::
 
-    PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=4 \\
+    .venv/bin/torchrun --standalone --nproc-per-node=4 \\
         benchmarks/pipeline_overhead.py
 
 Every stage's compute is a fixed sleep, so the ideal step time is exactly what
@@ -375,7 +375,7 @@ def main() -> int:
             )
         print()
         print(
-            "command: PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=4 "
+            "command: .venv/bin/torchrun --standalone --nproc-per-node=4 "
             "benchmarks/pipeline_overhead.py"
         )
         print("pictures:", ", ".join(render_pictures(traces)))

@@ -4,7 +4,7 @@ schedules, stages, weights and micro-batches, at p = 2 pipeline ranks on CPU wit
 Run (two ranks, one thread each, so two cores are enough; the two variables keep glibc from
 handing large freed blocks back to the system, see split_backward.py)::
 
-    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 PYTHONPATH=. \
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \
         .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline_real.py
 
 Unlike ``pipeline_overhead.py``, whose stages sleep, here the stages compute (matmuls), so what
@@ -68,7 +68,7 @@ TRANSFORMER_LAYERS_PER_RANK = 2
 HIDDEN, HEADS, FFN, SEQ = 256, 4, 1024, 64
 TRANSFORMER_MICROBATCH = 4  # sequences
 COMMAND = (
-    "MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 PYTHONPATH=. "
+    "MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 "
     ".venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline_real.py"
 )
 

@@ -3,7 +3,7 @@ fused backward, on real layers, in one process.
 
 Run (one process, one thread), with glibc told to keep the memory it frees::
 
-    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 PYTHONPATH=. \
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296 \
         .venv/bin/torchrun --standalone --nproc-per-node=1 benchmarks/split_backward.py
 
 Without those two variables glibc gives large freed blocks (a Linear(1024)'s 4 MiB weight
@@ -42,7 +42,7 @@ import torch_mp
 from torch_mp import pipeline
 
 COMMAND = (
-    "PYTHONPATH=. .venv/bin/torchrun --standalone --nproc-per-node=1 benchmarks/split_backward.py"
+    ".venv/bin/torchrun --standalone --nproc-per-node=1 benchmarks/split_backward.py"
 )
 
 

@@ -1,0 +1,114 @@
+"""torch_mp as users install it: imported from any directory after `make`, a wheel installed
+into a clean environment, and a LibTorch application built against an installed prefix, each
+run for real (torchrun, two Gloo ranks), without PYTHONPATH or LD_LIBRARY_PATH."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch.utils
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / os.environ.get("TORCH_MP_BUILD", "build")
+BIN = Path(sys.executable).parent
+
+SMOKE = """
+import torch, torch.distributed as dist
+from torch import nn
+import torch_mp
+from torch_mp import checkpoint
+
+torch_mp.init(tp=2)
+torch.manual_seed(0)
+dense = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+mlp = nn.Sequential(
+    torch_mp.ColumnParallelLinear.from_dense(dense[0]),
+    nn.GELU(),
+    torch_mp.RowParallelLinear.from_dense(dense[2]),
+)
+x = torch.randn(5, 8)
+assert torch.allclose(mlp(x), dense(x), rtol=1e-5, atol=1e-6)
+checkpoint.save(PATH, mlp)
+with torch.no_grad():
+    mlp[0].weight.zero_()
+checkpoint.load(PATH, mlp)
+assert torch.allclose(mlp(x), dense(x), rtol=1e-5, atol=1e-6)
+if dist.get_rank() == 0:
+    print("smoke OK from", torch_mp.__file__)
+dist.destroy_process_group()
+"""
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_LIBRARY_PATH")}
+    return dict(env, OMP_NUM_THREADS="1", **extra)
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 300, **env: str) -> str:
+    result = subprocess.run(
+        args, cwd=cwd, env=_clean_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, " ".join(args) + "\n" + result.stdout + result.stderr
+    return result.stdout
+
+
+def test_the_package_imports_from_any_directory(tmp_path):
+    out = _run([sys.executable, "-c", "import torch_mp; print(torch_mp.__file__)"], tmp_path)
+    assert out.strip() == str(ROOT / "torch_mp" / "__init__.py")
+
+
+def test_a_wheel_installs_into_a_clean_environment_and_runs_there(tmp_path):
+    # The wheel of this checkout (its _C taken from the build `make` made: TORCH_MP_BUILD_DIR).
+    dist_dir = tmp_path / "dist"
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--quiet",
+         "-w", str(dist_dir), str(ROOT)],
+        tmp_path,
+        TORCH_MP_BUILD_DIR=str(BUILD),
+        PATH=f"{BIN}:{os.environ['PATH']}",
+    )  # fmt: skip
+    [wheel] = dist_dir.glob("torch_mp-*.whl")
+    # A new environment that sees torch (this one's site-packages, as a plain path: its .pth
+    # files, the editable torch_mp among them, are not read) but no torch_mp until installed.
+    env = tmp_path / "env"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(env)], tmp_path)
+    python = env / "bin" / "python"
+    site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                tmp_path).strip()  # fmt: skip
+    Path(site, "torch_from_dev_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    missing = subprocess.run([str(python), "-c", "import torch_mp"], cwd=tmp_path,
+                             env=_clean_env(), capture_output=True)  # fmt: skip
+    assert missing.returncode != 0
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--quiet",
+          str(wheel)], tmp_path)  # fmt: skip
+    script = tmp_path / "smoke.py"
+    script.write_text(SMOKE.replace("PATH", repr(str(tmp_path / "ckpt"))))
+    out = _run(
+        [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script)],
+        tmp_path,
+    )  # fmt: skip
+    assert f"smoke OK from {site}/torch_mp/__init__.py" in out
+
+
+def test_a_libtorch_application_built_against_the_install_prefix_runs(tmp_path):
+    prefix, build = tmp_path / "prefix", tmp_path / "app"
+    cmake = str(BIN / "cmake")
+    _run([cmake, "--install", str(BUILD), "--prefix", str(prefix)], tmp_path)
+    _run(
+        [cmake, "-S", str(ROOT / "examples/cpp"), "-B", str(build), "-G", "Ninja",
+         f"-DCMAKE_MAKE_PROGRAM={BIN / 'ninja'}",
+         f"-DCMAKE_PREFIX_PATH={prefix};{torch.utils.cmake_prefix_path}"],
+        tmp_path,
+    )  # fmt: skip
+    _run([cmake, "--build", str(build), "--target", "tp_mlp"], tmp_path, timeout=600)
+    out = _run(
+        [str(BIN / "torchrun"), "--standalone", "--no-python", "--nproc-per-node=2",
+         str(build / "tp_mlp")],
+        ROOT,
+    )  # fmt: skip
+    assert "OK: largest difference" in out
