@@ -26,6 +26,7 @@ from torch_mp.clip_grad import clip_grad_norm_
 from torch_mp.data_parallel import DataParallel
 from torch_mp.layout import ParameterLayout, layout_of, set_layout
 from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
+from torch_mp.parallelize import parallelize
 from torch_mp.tensor_parallel import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -63,6 +64,7 @@ __all__ = [
     "get_mesh",
     "init",
     "layout_of",
+    "parallelize",
     "pipeline",
     "random",
     "set_layout",

@@ -1,6 +1,7 @@
 """Tensor-parallel (intra-layer) modules and functions."""
 
 from torch_mp.tensor_parallel.blocks import (
+    ChannelParallelBatchNorm2d,
     LayerNorm,
     ParallelConvBlock,
     ParallelMLP,
@@ -12,6 +13,7 @@ from torch_mp.tensor_parallel.embedding import VocabParallelEmbedding, vocab_par
 from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
+    "ChannelParallelBatchNorm2d",
     "ColumnParallelConv2d",
     "ColumnParallelLinear",
     "LayerNorm",

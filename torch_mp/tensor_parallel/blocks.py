@@ -521,19 +521,81 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         return parallel
 
 
-class _ChannelShardedBatchNorm2d(SharesGroup, nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` over this rank's channels: its parameters and running statistics
-    recorded as sharded along dim 0 (re-recorded whenever they are replaced)."""
+class ChannelParallelBatchNorm2d(SharesGroup, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` over this rank's channels: between a column- and a row-parallel
+    convolution, each rank normalises the channels it holds (their statistics need no
+    communication). Parameters and running statistics are recorded as sharded along dim 0.
 
-    def __init__(self, num_features: int, group: dist.ProcessGroup, **kwargs) -> None:
+    Args:
+        num_features: This rank's channels (the dense norm's divided by the group size).
+        group: The tensor-parallel group; the default mesh's when None.
+        **kwargs: As for ``nn.BatchNorm2d``.
+    """
+
+    def __init__(self, num_features: int, group: dist.ProcessGroup | None = None, **kwargs) -> None:
         super().__init__(num_features, **kwargs)
-        self.group = group
+        self.group = _group(group)
         self._register_layouts()
 
     def _register_layouts(self) -> None:
         for tensor in (self.weight, self.bias, self.running_mean, self.running_var):
             if tensor is not None:
                 _C.set_layout(tensor, 0, self.group.group_name)
+
+    @classmethod
+    def from_dense(
+        cls, norm: nn.BatchNorm2d, group: dist.ProcessGroup | None = None
+    ) -> ChannelParallelBatchNorm2d:
+        """This rank's channels of ``norm`` (device and dtype kept)."""
+        group = _group(group)
+        t = dist.get_world_size(group)
+        if norm.num_features % t:
+            raise ValueError(
+                f"ChannelParallelBatchNorm2d: num_features ({norm.num_features}) must be "
+                f"divisible by the tensor-parallel size ({t})"
+            )
+        layer = cls(
+            norm.num_features // t,
+            group,
+            eps=norm.eps,
+            momentum=norm.momentum,
+            affine=norm.affine,
+            track_running_stats=norm.track_running_stats,
+            device="meta",
+        )
+        _empty_like_dense(norm, layer)
+        layer.load_dense(norm)
+        return layer
+
+    def load_dense(self, norm: nn.BatchNorm2d) -> None:
+        """Copies this rank's channels of ``norm``: parameters and running statistics."""
+        with torch.no_grad():
+            for key in ("weight", "bias", "running_mean", "running_var"):
+                if getattr(self, key) is not None:
+                    getattr(self, key).copy_(_C.shard(getattr(norm, key), 0, self.group.group_name))
+            if self.num_batches_tracked is not None:
+                self.num_batches_tracked.copy_(norm.num_batches_tracked)
+
+    def to_dense(self) -> nn.BatchNorm2d:
+        """The dense ``nn.BatchNorm2d`` on every rank (a collective over the group)."""
+        t = dist.get_world_size(self.group)
+        like = next(iter((*self.parameters(), *self.buffers())))
+        dense = nn.BatchNorm2d(
+            self.num_features * t,
+            eps=self.eps,
+            momentum=self.momentum,
+            affine=self.affine,
+            track_running_stats=self.track_running_stats,
+        ).to(device=like.device, dtype=like.dtype if like.is_floating_point() else None)
+        with torch.no_grad():
+            for key in ("weight", "bias", "running_mean", "running_var"):
+                local = getattr(self, key)
+                if local is not None:
+                    gathered = _C.gather_from_tp(local.detach(), self.group.group_name, 0)
+                    getattr(dense, key).copy_(gathered)
+            if self.num_batches_tracked is not None:
+                dense.num_batches_tracked.copy_(self.num_batches_tracked)
+        return dense
 
 
 class ParallelConvBlock(SharesGroup, nn.Module):
@@ -575,7 +637,7 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         )
         conv = {"padding": padding, "bias": bias, "group": self.group, "device": "meta"}
         self.conv1 = ColumnParallelConv2d(in_channels, mid_channels, kernel_size, **conv)
-        self.norm = _ChannelShardedBatchNorm2d(
+        self.norm = ChannelParallelBatchNorm2d(
             mid_channels // dist.get_world_size(self.group), self.group, device="meta"
         )
         self.conv2 = RowParallelConv2d(mid_channels, out_channels, kernel_size, **conv)
@@ -616,10 +678,7 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         name = self.group.group_name
         for mine, dense, dim in ((self.conv1, block.conv1, 0), (self.conv2, block.conv2, 1)):
             _C.load_dense_linear_(mine.weight, mine.bias, dense.weight, dense.bias, dim, name)
-        with torch.no_grad():
-            for key in ("weight", "bias", "running_mean", "running_var"):
-                getattr(self.norm, key).copy_(_C.shard(getattr(block.norm, key), 0, name))
-            self.norm.num_batches_tracked.copy_(block.norm.num_batches_tracked)
+        self.norm.load_dense(block.norm)
 
     def to_dense(self) -> ConvBlock:
         """Gathers the block into a :class:`torch_mp.dense.ConvBlock` on every rank (a
@@ -633,12 +692,5 @@ class ParallelConvBlock(SharesGroup, nn.Module):
             conv1.padding[0],
             conv1.bias is not None,
         )
-        block.conv1, block.conv2 = conv1, self.conv2.to_dense()
-        block.norm.eps, block.norm.momentum = self.norm.eps, self.norm.momentum
-        block.to(device=conv1.weight.device, dtype=conv1.weight.dtype)
-        with torch.no_grad():
-            for key in ("weight", "bias", "running_mean", "running_var"):
-                local = getattr(self.norm, key).detach()
-                getattr(block.norm, key).copy_(_C.gather_from_tp(local, self.group.group_name, 0))
-            block.norm.num_batches_tracked.copy_(self.norm.num_batches_tracked)
+        block.conv1, block.norm, block.conv2 = conv1, self.norm.to_dense(), self.conv2.to_dense()
         return block

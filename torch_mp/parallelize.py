@@ -1,0 +1,390 @@
+"""Tensor parallelism for a model one did not write: a plan maps module names to styles, and
+:func:`parallelize` swaps each named module for its tensor-parallel twin (``from_dense``: this
+rank's shard of the module's own weights, no random draws)::
+
+    plan = {
+        "model.layers.*.self_attn.[qkv]_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+    }
+    model = torch_mp.parallelize(model, plan=plan)   # on every rank of the tensor group
+
+Keys are module names or ``fnmatch`` patterns over them (``*`` matches within and across dots);
+values are styles, or their names (in brackets):
+
+- :class:`ColwiseParallel` ("colwise"): ``nn.Linear`` -> ColumnParallelLinear, ``nn.Conv2d``
+  -> ColumnParallelConv2d (output features or channels split);
+- :class:`RowwiseParallel` ("rowwise"): ``nn.Linear`` -> RowParallelLinear, ``nn.Conv2d`` ->
+  RowParallelConv2d (input split, output all-reduced);
+- :class:`VocabParallel` ("vocab"): ``nn.Embedding`` -> VocabParallelEmbedding;
+- :class:`ChannelParallelNorm` ("channel_norm"): ``nn.BatchNorm2d`` ->
+  ChannelParallelBatchNorm2d (this rank's channels, between a colwise and a rowwise conv);
+- :class:`SequenceParallelNorm` ("sequence_norm"): ``nn.LayerNorm`` -> tensor_parallel.LayerNorm
+  on this rank's chunk of the sequence;
+- :class:`AttentionParallel` ("attention"): ``nn.MultiheadAttention`` (self-attention) ->
+  ParallelSelfAttention, called as the dense module is;
+- :class:`TransformerLayerParallel` ("transformer_layer"): ``nn.TransformerEncoderLayer`` ->
+  ParallelTransformerLayer, called as the dense layer is;
+- :class:`LocalAttributes` ``(*names)``: the module itself, its integer attributes ``names``
+  divided by the group size.
+
+A column layer followed by a row layer (attention's projections, an MLP) communicates once in
+forward and once in backward; everything between them works on this rank's share: heads,
+channels or features. Modules that reshape by a stored head count need ``LocalAttributes``
+(Hugging Face's Llama reshapes by ``-1`` and needs none). With no plan, :func:`default_plan`
+covers ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` wherever they are.
+
+Ready plans: :data:`LLAMA_PLAN` (Hugging Face ``LlamaForCausalLM``), :data:`RESNET_BASIC_BLOCK_PLAN`
+(torchvision's ``BasicBlock``; prefix it with the blocks' names, see :func:`prefixed`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_mp.mesh import Mesh, get_mesh
+from torch_mp.tensor_parallel.blocks import (
+    ChannelParallelBatchNorm2d,
+    LayerNorm,
+    ParallelSelfAttention,
+    ParallelTransformerLayer,
+)
+from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2d
+from torch_mp.tensor_parallel.embedding import VocabParallelEmbedding
+from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = [
+    "LLAMA_PLAN",
+    "RESNET_BASIC_BLOCK_PLAN",
+    "AttentionParallel",
+    "ChannelParallelNorm",
+    "ColwiseParallel",
+    "LocalAttributes",
+    "ParallelStyle",
+    "RowwiseParallel",
+    "SequenceParallelNorm",
+    "TransformerLayerParallel",
+    "VocabParallel",
+    "default_plan",
+    "parallelize",
+    "prefixed",
+]
+
+
+class ParallelStyle:
+    """How one module becomes tensor-parallel: :meth:`apply` returns its replacement."""
+
+    def apply(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+        raise NotImplementedError
+
+    def _refuse(self, module: nn.Module, takes: str) -> None:
+        raise TypeError(f"{type(self).__name__} applies to {takes}, not {type(module).__name__}")
+
+
+@dataclass(frozen=True)
+class ColwiseParallel(ParallelStyle):
+    """Output features (channels) split; ``gather_output`` all-gathers them after."""
+
+    gather_output: bool = False
+    sequence_parallel: bool = False
+
+    def apply(self, module, group):
+        if isinstance(module, nn.Linear):
+            return ColumnParallelLinear.from_dense(
+                module,
+                group,
+                gather_output=self.gather_output,
+                sequence_parallel=self.sequence_parallel,
+            )
+        if isinstance(module, nn.Conv2d) and not self.sequence_parallel:
+            return ColumnParallelConv2d.from_dense(module, group, gather_output=self.gather_output)
+        self._refuse(module, "nn.Linear and nn.Conv2d (sequence parallel: nn.Linear)")
+
+
+@dataclass(frozen=True)
+class RowwiseParallel(ParallelStyle):
+    """Input features (channels) split, the output all-reduced (reduce-scattered along the
+    sequence with ``sequence_parallel``); ``input_is_parallel=False`` splits a whole input."""
+
+    input_is_parallel: bool = True
+    sequence_parallel: bool = False
+
+    def apply(self, module, group):
+        if isinstance(module, nn.Linear):
+            return RowParallelLinear.from_dense(
+                module,
+                group,
+                input_is_parallel=self.input_is_parallel,
+                sequence_parallel=self.sequence_parallel,
+            )
+        if isinstance(module, nn.Conv2d) and not self.sequence_parallel:
+            return RowParallelConv2d.from_dense(
+                module, group, input_is_parallel=self.input_is_parallel
+            )
+        self._refuse(module, "nn.Linear and nn.Conv2d (sequence parallel: nn.Linear)")
+
+
+@dataclass(frozen=True)
+class VocabParallel(ParallelStyle):
+    """An embedding's vocabulary split over the ranks (any size; the last rows padded)."""
+
+    def apply(self, module, group):
+        if not isinstance(module, nn.Embedding):
+            self._refuse(module, "nn.Embedding")
+        return VocabParallelEmbedding.from_dense(module, group)
+
+
+@dataclass(frozen=True)
+class ChannelParallelNorm(ParallelStyle):
+    """A BatchNorm over this rank's channels (after a colwise convolution)."""
+
+    def apply(self, module, group):
+        if not isinstance(module, nn.BatchNorm2d):
+            self._refuse(module, "nn.BatchNorm2d")
+        return ChannelParallelBatchNorm2d.from_dense(module, group)
+
+
+@dataclass(frozen=True)
+class SequenceParallelNorm(ParallelStyle):
+    """A LayerNorm on this rank's chunk of the sequence (its gradients summed over ranks)."""
+
+    def apply(self, module, group):
+        if not isinstance(module, nn.LayerNorm):
+            self._refuse(module, "nn.LayerNorm")
+        return LayerNorm.from_dense(module, sequence_parallel=True, group=group)
+
+
+class _MultiheadSelfAttention(ParallelSelfAttention):
+    """ParallelSelfAttention called as ``nn.MultiheadAttention`` is, for self-attention:
+    ``(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+    average_attn_weights=True, is_causal=False) -> (output, None)``."""
+
+    batch_first = False  # read by nn.TransformerEncoderLayer's fast-path checks
+    _batch_first = False  # the dense module's: inputs [b, s, h]
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        if key is not query or value is not query:
+            raise ValueError("parallelize: AttentionParallel supports self-attention only")
+        if key_padding_mask is not None:
+            raise ValueError(
+                "parallelize: AttentionParallel does not take key_padding_mask (fold it into "
+                "attn_mask)"
+            )
+        x = query.transpose(0, 1) if self._batch_first else query
+        out = super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        return (out.transpose(0, 1) if self._batch_first else out), None
+
+
+@dataclass(frozen=True)
+class AttentionParallel(ParallelStyle):
+    """``nn.MultiheadAttention`` (self-attention, no kdim/vdim) with its heads split."""
+
+    def apply(self, module, group):
+        if not isinstance(module, nn.MultiheadAttention):
+            self._refuse(module, "nn.MultiheadAttention")
+        attention = _MultiheadSelfAttention.from_dense(module, group)
+        attention._batch_first = module.batch_first
+        return attention
+
+
+class _EncoderLayer(ParallelTransformerLayer):
+    """ParallelTransformerLayer called as ``nn.TransformerEncoderLayer`` is."""
+
+    _batch_first = False  # the dense layer's: inputs [b, s, h]
+
+    def forward(  # type: ignore[override]
+        self,
+        src: torch.Tensor,
+        src_mask: torch.Tensor | None = None,
+        src_key_padding_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        if src_key_padding_mask is not None:
+            raise ValueError(
+                "parallelize: TransformerLayerParallel does not take src_key_padding_mask (fold "
+                "it into src_mask)"
+            )
+        x = src.transpose(0, 1) if self._batch_first else src
+        out = super().forward(x, attn_mask=src_mask, is_causal=is_causal)
+        return out.transpose(0, 1) if self._batch_first else out
+
+
+@dataclass(frozen=True)
+class TransformerLayerParallel(ParallelStyle):
+    """``nn.TransformerEncoderLayer``: heads and MLP split (with ``sequence_parallel`` also the
+    norms, dropouts and residuals, on ``[s / t, b, h]`` chunks)."""
+
+    sequence_parallel: bool = False
+
+    def apply(self, module, group):
+        if not isinstance(module, nn.TransformerEncoderLayer):
+            self._refuse(module, "nn.TransformerEncoderLayer")
+        if module.self_attn.batch_first and self.sequence_parallel:
+            raise ValueError("parallelize: sequence parallelism needs batch_first=False layers")
+        layer = _EncoderLayer.from_dense(module, group, self.sequence_parallel)
+        layer._batch_first = module.self_attn.batch_first
+        layer.self_attn.batch_first = False  # read by nn.TransformerEncoder's fast-path checks
+        return layer
+
+
+class LocalAttributes(ParallelStyle):
+    """Keeps the module and divides its integer attributes ``names`` by the group size (the
+    head counts and widths a module reshapes by, once its projections are split)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def __repr__(self) -> str:
+        return f"LocalAttributes{self.names!r}"
+
+    def apply(self, module, group):
+        t = dist.get_world_size(group)
+        for name in self.names:
+            value = getattr(module, name, None)
+            if not isinstance(value, int) or value % t:
+                raise ValueError(
+                    f"parallelize: {type(module).__name__}.{name} ({value!r}) is not an integer "
+                    f"divisible by the tensor-parallel size ({t})"
+                )
+            setattr(module, name, value // t)
+        return module
+
+
+STYLES: dict[str, ParallelStyle] = {
+    "colwise": ColwiseParallel(),
+    "rowwise": RowwiseParallel(),
+    "vocab": VocabParallel(),
+    "channel_norm": ChannelParallelNorm(),
+    "sequence_norm": SequenceParallelNorm(),
+    "attention": AttentionParallel(),
+    "transformer_layer": TransformerLayerParallel(),
+}
+
+Plan = Mapping[str, "ParallelStyle | str"]
+
+# Hugging Face LlamaForCausalLM (and models laid out alike: Mistral, Qwen2): attention heads
+# and MLP split, the vocabulary of the embedding split, the head's logits gathered (a loss over
+# the whole vocabulary, as the model computes it). Key/value heads must be divisible too.
+LLAMA_PLAN: dict[str, ParallelStyle | str] = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": ColwiseParallel(gather_output=True),
+}
+
+# torchvision's ResNet BasicBlock: conv1's output channels split, bn1 over them, conv2's input
+# channels split and its output all-reduced; bn2 and the shortcut whole.
+RESNET_BASIC_BLOCK_PLAN: dict[str, ParallelStyle | str] = {
+    "conv1": "colwise",
+    "bn1": "channel_norm",
+    "conv2": "rowwise",
+}
+
+
+def prefixed(prefix: str, plan: Plan) -> dict[str, ParallelStyle | str]:
+    """``plan`` for the modules under ``prefix`` (a name or pattern): ``prefixed("layer1.*",
+    RESNET_BASIC_BLOCK_PLAN)`` covers every block of a ResNet's layer1."""
+    return {f"{prefix}.{key}" if key else prefix: style for key, style in plan.items()}
+
+
+def default_plan(model: nn.Module) -> dict[str, ParallelStyle | str]:
+    """Every ``nn.TransformerEncoderLayer`` of ``model`` as a whole parallel layer, and every
+    ``nn.MultiheadAttention`` outside them with its heads split."""
+    plan: dict[str, ParallelStyle | str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.TransformerEncoderLayer):
+            plan[name] = "transformer_layer"
+        elif isinstance(module, nn.MultiheadAttention) and not any(
+            name.startswith(f"{layer}.") or not layer for layer in plan
+        ):
+            plan[name] = "attention"
+    if not plan:
+        raise ValueError(
+            f"parallelize: {type(model).__name__} has no nn.TransformerEncoderLayer or "
+            "nn.MultiheadAttention; give a plan"
+        )
+    return plan
+
+
+def _style(style: ParallelStyle | str) -> ParallelStyle:
+    if isinstance(style, ParallelStyle):
+        return style
+    if style not in STYLES:
+        raise ValueError(f"parallelize: unknown style {style!r}; known: {', '.join(STYLES)}")
+    return STYLES[style]
+
+
+def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = None) -> nn.Module:
+    """Makes ``model`` tensor-parallel over ``mesh``'s tensor group (the default mesh's) by
+    ``plan`` (module name or pattern -> style; :func:`default_plan` when None), in place.
+    Call it on every rank of the group with the same model (the same weights: each rank keeps
+    its shard).
+
+    Returns:
+        ``model`` (or its replacement, if the plan names the root ``""``).
+
+    Raises:
+        ValueError: If a plan entry matches no module, a module is matched twice or lies
+            inside another that is replaced, or a style does not fit its module (naming it).
+    """
+    group = (mesh or get_mesh()).tp_group
+    plan = default_plan(model) if plan is None else plan
+    names = [name for name, _ in model.named_modules()]
+    chosen: dict[str, tuple[str, ParallelStyle]] = {}
+    for pattern, style in plan.items():
+        matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+        if not matched:
+            raise ValueError(
+                f"parallelize: plan entry {pattern!r} matches no module of {type(model).__name__}"
+            )
+        for name in matched:
+            if name in chosen:
+                raise ValueError(
+                    f"parallelize: {name!r} is matched by both {chosen[name][0]!r} and {pattern!r}"
+                )
+            chosen[name] = (pattern, _style(style))
+    replaced = [n for n, (_, s) in chosen.items() if not isinstance(s, LocalAttributes)]
+    for name in chosen:
+        outer = [r for r in replaced if r != name and (not r or name.startswith(f"{r}."))]
+        if outer:
+            raise ValueError(f"parallelize: {name!r} lies inside {outer[0]!r}, which is replaced")
+    for name, (pattern, style) in chosen.items():
+        module = model.get_submodule(name)
+        try:
+            new = style.apply(module, group)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise type(e)(f"parallelize: {name!r} (plan entry {pattern!r}): {e}") from e
+        if new is module:
+            continue
+        if not name:
+            model = new
+            continue
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, new)
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder):
+            module.use_nested_tensor = False  # its fast path reads the dense layers' weights
+    return model
