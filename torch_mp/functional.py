@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torch_mp import _C
+from torch_mp import _C, ops
 from torch_mp.mesh import tp_group_name
 
 __all__ = [
@@ -58,11 +58,15 @@ def check_collectives() -> bool:
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Identity forward; all-reduces the gradient. Enters a tensor-parallel region."""
+    if torch.compiler.is_compiling():
+        return ops.copy_to_tp(x, tp_group_name(group))
     return _C.copy_to_tp(x, tp_group_name(group))
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sums ``x`` over the group forward; identity backward. Leaves a tensor-parallel region."""
+    if torch.compiler.is_compiling():
+        return ops.reduce_from_tp(x, tp_group_name(group))
     return _C.reduce_from_tp(x, tp_group_name(group))
 
 
@@ -70,6 +74,8 @@ def scatter_to_tp(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = -1
 ) -> torch.Tensor:
     """Keeps this rank's chunk of ``x`` along ``dim``; all-gathers the gradient."""
+    if torch.compiler.is_compiling():
+        return ops.scatter_to_tp(x, tp_group_name(group), dim)
     return _C.scatter_to_tp(x, tp_group_name(group), dim)
 
 
@@ -77,6 +83,8 @@ def gather_from_tp(
     x: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = -1
 ) -> torch.Tensor:
     """Concatenates every rank's ``x`` along ``dim``; keeps this rank's chunk of the gradient."""
+    if torch.compiler.is_compiling():
+        return ops.gather_from_tp(x, tp_group_name(group), dim)
     return _C.gather_from_tp(x, tp_group_name(group), dim)
 
 
@@ -85,6 +93,8 @@ def gather_from_sp(
 ) -> torch.Tensor:
     """All-gathers a sequence-parallel tensor along the sequence ``dim`` (0 for ``[s, b, h]``);
     reduce-scatters the gradient."""
+    if torch.compiler.is_compiling():
+        return ops.gather_from_sp(x, tp_group_name(group), dim)
     return _C.gather_from_sp(x, tp_group_name(group), dim)
 
 
@@ -93,4 +103,6 @@ def reduce_scatter_to_sp(
 ) -> torch.Tensor:
     """Sums ``x`` over the group and keeps this rank's chunk along the sequence ``dim``;
     all-gathers the gradient."""
+    if torch.compiler.is_compiling():
+        return ops.reduce_scatter_to_sp(x, tp_group_name(group), dim)
     return _C.reduce_scatter_to_sp(x, tp_group_name(group), dim)

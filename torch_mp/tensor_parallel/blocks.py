@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from torch_mp import _C
+from torch_mp import _C, ops
 from torch_mp._group import SharesGroup
 from torch_mp.dense import MLP, ConvBlock
 from torch_mp.mesh import get_mesh
@@ -94,7 +94,8 @@ class LayerNorm(SharesGroup, nn.LayerNorm):
             _C.set_layout(param, None, self.group.group_name)  # replicated
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return _C.layer_norm(
+        norm = ops.layer_norm if torch.compiler.is_compiling() else _C.layer_norm
+        return norm(
             input, self.weight, self.bias, self.eps, self.sequence_parallel, self.group.group_name
         )
 
@@ -203,14 +204,18 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         in ``nn.MultiheadAttention``: ``[s, s]`` or ``[b * num_heads, s, s]``, bool (True may
         not attend) or float (added); ``is_causal`` without a mask applies the causal mask.
         Key padding masks are not supported (fold them into ``attn_mask``)."""
-        context = _C.attention_heads(
-            self.qkv(x),
-            self.num_heads,
-            self.group.group_name,
-            attn_mask,
-            is_causal,
-            self.dropout if self.training else 0.0,
-        )
+        dropout = self.dropout if self.training else 0.0
+        if torch.compiler.is_compiling():
+            t = self.tp_size
+            rank = dist.get_rank(self.group)
+            name = self.group.group_name
+            context = ops.attention_heads(
+                self.qkv(x), self.num_heads, name, t, rank, attn_mask, is_causal, dropout
+            )
+        else:
+            context = _C.attention_heads(
+                self.qkv(x), self.num_heads, self.group.group_name, attn_mask, is_causal, dropout
+            )
         return self.proj(context)
 
     @classmethod
@@ -331,8 +336,9 @@ class ParallelMLP(SharesGroup, nn.Module):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inner = _C.activation(self.fc1(x), self.activation)
-        return self.fc2(_C.region_dropout(inner, self.dropout, self.training))
+        core = ops if torch.compiler.is_compiling() else _C
+        inner = core.activation(self.fc1(x), self.activation)
+        return self.fc2(core.region_dropout(inner, self.dropout, self.training))
 
     @classmethod
     def from_dense(
@@ -470,7 +476,8 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         # Sequence-parallel rows differ between ranks: the per-rank stream. Whole tensors are the
         # same on every rank: the shared (default) stream.
         if self.sequence_parallel:
-            return _C.region_dropout(x, self.dropout, self.training)
+            core = ops if torch.compiler.is_compiling() else _C
+            return core.region_dropout(x, self.dropout, self.training)
         return F.dropout(x, self.dropout, self.training)
 
     def forward(

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_mp import _C
+from torch_mp import _C, ops
 from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh, tp_group_name
 
@@ -82,6 +82,10 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return ops.vocab_parallel_embedding(
+                input, self.weight, self.vocab_start_index, self.padding_idx, self.group.group_name
+            )
         return _C.vocab_parallel_embedding(
             input, self.weight, self.num_embeddings, self.padding_idx, self.group.group_name
         )
@@ -157,6 +161,19 @@ def vocab_parallel_cross_entropy(
 
     Backward may run once per forward (the saved softmax becomes the gradient in place).
     """
+    if torch.compiler.is_compiling():
+        group = group if group is not None else get_mesh().tp_group
+        return ops.vocab_parallel_cross_entropy(
+            logits,
+            target,
+            ignore_index,
+            label_smoothing,
+            reduction,
+            vocab_size,
+            group.group_name,
+            dist.get_world_size(group),
+            dist.get_rank(group),
+        )
     return _C.vocab_parallel_cross_entropy(
         logits,
         target,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_mp import _C
+from torch_mp import _C, ops
 from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh
 
@@ -183,6 +183,15 @@ class ColumnParallelLinear(_ParallelLinear):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return ops.column_parallel_linear(
+                input,
+                self.weight,
+                self.bias,
+                self.gather_output,
+                self.sequence_parallel,
+                self._group_name,
+            )
         return _C.column_parallel_linear(
             input,
             self.weight,
@@ -253,6 +262,15 @@ class RowParallelLinear(_ParallelLinear):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return ops.row_parallel_linear(
+                input,
+                self.weight,
+                self.bias,
+                self.input_is_parallel,
+                self.sequence_parallel,
+                self._group_name,
+            )
         return _C.row_parallel_linear(
             input,
             self.weight,
