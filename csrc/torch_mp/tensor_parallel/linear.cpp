@@ -118,176 +118,102 @@ std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_linear(
   return {unshard(weight, shard_dim, group), dense_bias};
 }
 
-// ---- ColumnParallelLinear --------------------------------------------------------------------
+// ---- ColumnParallelLinear and RowParallelLinear ----------------------------------------------
 
-ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions options_,
-                                                   bool initialise)
+template <typename Options>
+ParallelLinearImpl<Options>::ParallelLinearImpl(Options options_, bool initialise)
     : options(std::move(options_)), initialise_(initialise) {
   reset();
 }
 
-void ColumnParallelLinearImpl::reset() {
+template <typename Options>
+void ParallelLinearImpl<Options>::reset() {
+  constexpr bool column = Options::kShardDim == 0;
   options.group(tp_group_or_default(options.group()));
-  const auto& group = options.group();
-  check_column_parallel_linear(options.in_features(),
-                               options.out_features(),
-                               options.bias(),
-                               options.gather_output(),
-                               options.sequence_parallel(),
-                               group);
-  const int64_t local_out = options.out_features() / group->getSize();
-  weight = register_parameter("weight", at::empty({local_out, options.in_features()}));
-  bias = register_parameter("bias",
-                            options.bias() ? at::empty({local_out}) : at::Tensor(),
-                            /*requires_grad=*/options.bias());
-  set_weight_and_bias_layout(weight, bias, /*shard_dim=*/0, group);
+  const auto& o = options;
+  const auto check = column ? &check_column_parallel_linear : &check_row_parallel_linear;
+  check(o.in_features(), o.out_features(), o.bias(), o.flag(), o.sequence_parallel(), o.group());
+  const int64_t t = o.group()->getSize();
+  const int64_t out = column ? o.out_features() / t : o.out_features();
+  const int64_t in = column ? o.in_features() : o.in_features() / t;
+  weight = this->register_parameter("weight", at::empty({out, in}));
+  bias = this->register_parameter(
+      "bias", o.bias() ? at::empty({out}) : at::Tensor(), /*requires_grad=*/o.bias());
+  set_weight_and_bias_layout(weight, bias, Options::kShardDim, o.group());
   if (initialise_) {
     reset_parameters();
   }
 }
 
-void ColumnParallelLinearImpl::reset_parameters() {
+template <typename Options>
+void ParallelLinearImpl<Options>::reset_parameters() {
   init_parallel_linear_(weight,
                         bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                         options.in_features(),
                         options.out_features(),
-                        0,
+                        Options::kShardDim,
                         options.group());
 }
 
-at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
-  return column_parallel_linear(input,
-                                weight,
-                                bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                                options.out_features(),
-                                options.gather_output(),
-                                options.sequence_parallel(),
-                                options.group());
+template <typename Options>
+at::Tensor ParallelLinearImpl<Options>::forward(const at::Tensor& input) {
+  const auto b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  const auto& o = options;
+  if constexpr (Options::kShardDim == 0) {
+    return column_parallel_linear(
+        input, weight, b, o.out_features(), o.flag(), o.sequence_parallel(), o.group());
+  } else {
+    return row_parallel_linear(
+        input, weight, b, o.in_features(), o.flag(), o.sequence_parallel(), o.group());
+  }
 }
 
-void ColumnParallelLinearImpl::pretty_print(std::ostream& stream) const {
-  stream << "torch_mp::ColumnParallelLinear(in_features=" << options.in_features()
+template <typename Options>
+void ParallelLinearImpl<Options>::pretty_print(std::ostream& stream) const {
+  stream << "torch_mp::" << Options::kName << "(in_features=" << options.in_features()
          << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
-         << options.bias() << ", gather_output=" << options.gather_output()
+         << options.bias() << ", " << Options::kFlagName << "=" << options.flag()
          << ", sequence_parallel=" << options.sequence_parallel()
          << ", tp_size=" << options.group()->getSize() << ")";
 }
 
-ColumnParallelLinear ColumnParallelLinearImpl::uninitialised(ColumnParallelLinearOptions options) {
-  return ColumnParallelLinear(std::shared_ptr<ColumnParallelLinearImpl>(
-      new ColumnParallelLinearImpl(std::move(options), /*initialise=*/false)));
+template <typename Options>
+typename Options::Holder ParallelLinearImpl<Options>::uninitialised(Options options) {
+  return typename Options::Holder(std::shared_ptr<ParallelLinearImpl>(
+      new ParallelLinearImpl(std::move(options), /*initialise=*/false)));
 }
 
-ColumnParallelLinear ColumnParallelLinearImpl::from_dense(const torch::nn::Linear& dense,
-                                                          ColumnParallelLinearOptions options) {
-  const auto& dense_options = dense->options;
-  TORCH_CHECK(
-      dense_options.in_features() == options.in_features() &&
-          dense_options.out_features() == options.out_features() &&
-          dense_options.bias() == options.bias(),
-      "ColumnParallelLinear.from_dense: the options must match the dense layer's in_features, "
-      "out_features and bias");
-  auto layer = uninitialised(std::move(options));
-  load_dense_linear_(
-      layer->weight, layer->bias, dense->weight, dense->bias, 0, layer->options.group());
-  return layer;
-}
-
-torch::nn::Linear ColumnParallelLinearImpl::to_dense() const {
-  const KeepDefaultRng keep_rng;  // the dense layer's own initialisation is overwritten
-  torch::nn::Linear dense(
-      torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
-  dense->to(weight.device(), weight.scalar_type());
-  const auto [dense_weight, dense_bias] = gather_dense_linear(
-      weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, 0, options.group());
-  at::NoGradGuard no_grad;
-  dense->weight.copy_(dense_weight);
-  if (dense_bias) {
-    dense->bias.copy_(*dense_bias);
-  }
-  return dense;
-}
-
-// ---- RowParallelLinear -----------------------------------------------------------------------
-
-RowParallelLinearImpl::RowParallelLinearImpl(RowParallelLinearOptions options_, bool initialise)
-    : options(std::move(options_)), initialise_(initialise) {
-  reset();
-}
-
-void RowParallelLinearImpl::reset() {
-  options.group(tp_group_or_default(options.group()));
-  const auto& group = options.group();
-  check_row_parallel_linear(options.in_features(),
-                            options.out_features(),
-                            options.bias(),
-                            options.input_is_parallel(),
-                            options.sequence_parallel(),
-                            group);
-  const int64_t local_in = options.in_features() / group->getSize();
-  weight = register_parameter("weight", at::empty({options.out_features(), local_in}));
-  bias = register_parameter("bias",
-                            options.bias() ? at::empty({options.out_features()}) : at::Tensor(),
-                            /*requires_grad=*/options.bias());
-  set_weight_and_bias_layout(weight, bias, /*shard_dim=*/1, group);
-  if (initialise_) {
-    reset_parameters();
-  }
-}
-
-void RowParallelLinearImpl::reset_parameters() {
-  init_parallel_linear_(weight,
-                        bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                        options.in_features(),
-                        options.out_features(),
-                        1,
-                        options.group());
-}
-
-at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
-  return row_parallel_linear(input,
-                             weight,
-                             bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                             options.in_features(),
-                             options.input_is_parallel(),
-                             options.sequence_parallel(),
-                             options.group());
-}
-
-void RowParallelLinearImpl::pretty_print(std::ostream& stream) const {
-  stream << "torch_mp::RowParallelLinear(in_features=" << options.in_features()
-         << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
-         << options.bias() << ", input_is_parallel=" << options.input_is_parallel()
-         << ", sequence_parallel=" << options.sequence_parallel()
-         << ", tp_size=" << options.group()->getSize() << ")";
-}
-
-RowParallelLinear RowParallelLinearImpl::uninitialised(RowParallelLinearOptions options) {
-  return RowParallelLinear(std::shared_ptr<RowParallelLinearImpl>(
-      new RowParallelLinearImpl(std::move(options), /*initialise=*/false)));
-}
-
-RowParallelLinear RowParallelLinearImpl::from_dense(const torch::nn::Linear& dense,
-                                                    RowParallelLinearOptions options) {
+template <typename Options>
+typename Options::Holder ParallelLinearImpl<Options>::from_dense(const torch::nn::Linear& dense,
+                                                                 Options options) {
   const auto& dense_options = dense->options;
   TORCH_CHECK(dense_options.in_features() == options.in_features() &&
                   dense_options.out_features() == options.out_features() &&
                   dense_options.bias() == options.bias(),
-              "RowParallelLinear.from_dense: the options must match the dense layer's in_features, "
-              "out_features and bias");
+              Options::kName,
+              ".from_dense: the options must match the dense layer's in_features, out_features "
+              "and bias");
   auto layer = uninitialised(std::move(options));
-  load_dense_linear_(
-      layer->weight, layer->bias, dense->weight, dense->bias, 1, layer->options.group());
+  load_dense_linear_(layer->weight,
+                     layer->bias,
+                     dense->weight,
+                     dense->bias,
+                     Options::kShardDim,
+                     layer->options.group());
   return layer;
 }
 
-torch::nn::Linear RowParallelLinearImpl::to_dense() const {
+template <typename Options>
+torch::nn::Linear ParallelLinearImpl<Options>::to_dense() const {
   const KeepDefaultRng keep_rng;  // the dense layer's own initialisation is overwritten
   torch::nn::Linear dense(
       torch::nn::LinearOptions(options.in_features(), options.out_features()).bias(options.bias()));
   dense->to(weight.device(), weight.scalar_type());
-  const auto [dense_weight, dense_bias] = gather_dense_linear(
-      weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, 1, options.group());
+  const auto [dense_weight, dense_bias] =
+      gather_dense_linear(weight,
+                          bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                          Options::kShardDim,
+                          options.group());
   at::NoGradGuard no_grad;
   dense->weight.copy_(dense_weight);
   if (dense_bias) {
@@ -295,5 +221,8 @@ torch::nn::Linear RowParallelLinearImpl::to_dense() const {
   }
   return dense;
 }
+
+template class ParallelLinearImpl<ColumnParallelLinearOptions>;
+template class ParallelLinearImpl<RowParallelLinearOptions>;
 
 }  // namespace torch_mp::tensor_parallel

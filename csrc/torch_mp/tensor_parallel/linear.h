@@ -102,10 +102,19 @@ std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_linear(
 
 // ---- torch::nn modules -----------------------------------------------------------------------
 
+class ColumnParallelLinear;
+class RowParallelLinear;
+
 /// Options of ColumnParallelLinear.
 struct ColumnParallelLinearOptions {
+  using Holder = ColumnParallelLinear;
+  static constexpr int64_t kShardDim = 0;
+  static constexpr const char* kName = "ColumnParallelLinear";
+  static constexpr const char* kFlagName = "gather_output";
   ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
       : in_features_(in_features), out_features_(out_features) {}
+  /// gather_output, under the name the layer template uses for either option.
+  bool flag() const { return gather_output_; }
   /// Size of each input sample.
   TORCH_ARG(int64_t, in_features);
   /// Size of each output sample (of the dense layer).
@@ -122,8 +131,14 @@ struct ColumnParallelLinearOptions {
 
 /// Options of RowParallelLinear.
 struct RowParallelLinearOptions {
+  using Holder = RowParallelLinear;
+  static constexpr int64_t kShardDim = 1;
+  static constexpr const char* kName = "RowParallelLinear";
+  static constexpr const char* kFlagName = "input_is_parallel";
   RowParallelLinearOptions(int64_t in_features, int64_t out_features)
       : in_features_(in_features), out_features_(out_features) {}
+  /// input_is_parallel, under the name the layer template uses for either option.
+  bool flag() const { return input_is_parallel_; }
   /// Size of each input sample (of the dense layer).
   TORCH_ARG(int64_t, in_features);
   /// Size of each output sample.
@@ -138,82 +153,50 @@ struct RowParallelLinearOptions {
   TORCH_ARG(GroupPtr, group) = {};
 };
 
-class ColumnParallelLinear;
-class RowParallelLinear;
-
-/// A Linear layer whose output features are split across the tensor-parallel group.
-class ColumnParallelLinearImpl : public torch::nn::Cloneable<ColumnParallelLinearImpl> {
+/// A Linear layer whose output (Column) or input (Row) features are split across the
+/// tensor-parallel group.
+template <typename Options>
+class ParallelLinearImpl : public torch::nn::Cloneable<ParallelLinearImpl<Options>> {
  public:
-  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features)
-      : ColumnParallelLinearImpl(ColumnParallelLinearOptions(in_features, out_features)) {}
-  explicit ColumnParallelLinearImpl(ColumnParallelLinearOptions options)
-      : ColumnParallelLinearImpl(std::move(options), /*initialise=*/true) {}
+  ParallelLinearImpl(int64_t in_features, int64_t out_features)
+      : ParallelLinearImpl(Options(in_features, out_features)) {}
+  explicit ParallelLinearImpl(Options options)
+      : ParallelLinearImpl(std::move(options), /*initialise=*/true) {}
 
   /// Checks the options and registers and initialises the parameters.
   void reset() override;
   /// Re-draws the parameters (see init_parallel_linear_).
   void reset_parameters();
-  /// Applies the layer (see column_parallel_linear).
+  /// Applies the layer (see column_parallel_linear / row_parallel_linear).
   at::Tensor forward(const at::Tensor& input);
   void pretty_print(std::ostream& stream) const override;
 
   /// A layer whose parameters are allocated but not initialised (for modules that fill them).
-  static ColumnParallelLinear uninitialised(ColumnParallelLinearOptions options);
+  static typename Options::Holder uninitialised(Options options);
   /// Shards `dense` for `options.group()`; `options` must name the dense layer's sizes and bias.
-  static ColumnParallelLinear from_dense(const torch::nn::Linear& dense,
-                                         ColumnParallelLinearOptions options);
+  static typename Options::Holder from_dense(const torch::nn::Linear& dense, Options options);
   /// The dense layer, gathered from every rank (a collective: call it on all ranks).
   torch::nn::Linear to_dense() const;
 
-  ColumnParallelLinearOptions options;
-  /// This rank's [out_features / t, in_features] shard of the weight.
+  Options options;
+  /// This rank's shard of the weight: [out_features / t, in_features] (Column) or
+  /// [out_features, in_features / t] (Row).
   at::Tensor weight;
-  /// This rank's [out_features / t] shard of the bias (undefined without bias).
+  /// This rank's [out_features / t] shard of the bias (Column) or the whole [out_features] bias
+  /// (Row); undefined without bias.
   at::Tensor bias;
 
  private:
   // from_dense copies the parameters instead of drawing them, leaving the default random
   // generator untouched (sharding a model must not change the data a program draws next).
-  ColumnParallelLinearImpl(ColumnParallelLinearOptions options, bool initialise);
+  ParallelLinearImpl(Options options, bool initialise);
   bool initialise_ = true;
 };
 
-/// A Linear layer whose input features are split across the tensor-parallel group.
-class RowParallelLinearImpl : public torch::nn::Cloneable<RowParallelLinearImpl> {
- public:
-  RowParallelLinearImpl(int64_t in_features, int64_t out_features)
-      : RowParallelLinearImpl(RowParallelLinearOptions(in_features, out_features)) {}
-  explicit RowParallelLinearImpl(RowParallelLinearOptions options)
-      : RowParallelLinearImpl(std::move(options), /*initialise=*/true) {}
-
-  /// Checks the options and registers and initialises the parameters.
-  void reset() override;
-  /// Re-draws the parameters (see init_parallel_linear_).
-  void reset_parameters();
-  /// Applies the layer (see row_parallel_linear).
-  at::Tensor forward(const at::Tensor& input);
-  void pretty_print(std::ostream& stream) const override;
-
-  /// A layer whose parameters are allocated but not initialised (for modules that fill them).
-  static RowParallelLinear uninitialised(RowParallelLinearOptions options);
-  /// Shards `dense` for `options.group()`; `options` must name the dense layer's sizes and bias.
-  static RowParallelLinear from_dense(const torch::nn::Linear& dense,
-                                      RowParallelLinearOptions options);
-  /// The dense layer, gathered from every rank (a collective: call it on all ranks).
-  torch::nn::Linear to_dense() const;
-
-  RowParallelLinearOptions options;
-  /// This rank's [out_features, in_features / t] shard of the weight.
-  at::Tensor weight;
-  /// The whole [out_features] bias (undefined without bias).
-  at::Tensor bias;
-
- private:
-  // from_dense copies the parameters instead of drawing them, leaving the default random
-  // generator untouched (sharding a model must not change the data a program draws next).
-  RowParallelLinearImpl(RowParallelLinearOptions options, bool initialise);
-  bool initialise_ = true;
-};
+using ColumnParallelLinearImpl = ParallelLinearImpl<ColumnParallelLinearOptions>;
+using RowParallelLinearImpl = ParallelLinearImpl<RowParallelLinearOptions>;
+extern template class ParallelLinearImpl<ColumnParallelLinearOptions>;
+extern template class ParallelLinearImpl<RowParallelLinearOptions>;
 
 /// Holder of ColumnParallelLinearImpl, used like torch::nn::Linear.
 TORCH_MODULE(ColumnParallelLinear);
