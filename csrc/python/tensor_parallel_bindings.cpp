@@ -10,6 +10,8 @@
 #include "torch_mp/tensor_parallel/conv.h"
 #include "torch_mp/tensor_parallel/cross_entropy.h"
 #include "torch_mp/tensor_parallel/embedding.h"
+#include "torch_mp/tensor_parallel/linear.h"
+#include "torch_mp/tensor_parallel/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace py = pybind11;
@@ -64,6 +66,177 @@ torch::nn::Conv2dOptions conv2d_options(int64_t in_channels,
 }  // namespace
 
 void bind_tensor_parallel(py::module_& m) {
+  // ---- random-number streams ----
+  m.def(
+      "rng_add",
+      [](const std::string& name, uint64_t seed, const std::string& device) {
+        tp::rng_tracker().add(name, seed, c10::Device(device));
+      },
+      py::arg("name"),
+      py::arg("seed"),
+      py::arg("device"));
+  m.def(
+      "rng_has",
+      [](const std::string& name, const std::string& device) {
+        return tp::rng_tracker().has(name, c10::Device(device));
+      },
+      py::arg("name"),
+      py::arg("device"));
+  m.def("rng_reset", [] { tp::rng_tracker().reset(); });
+  m.def(
+      "rng_swap_in",
+      [](const std::string& name, const std::string& device) {
+        return tp::rng_tracker().swap_in(name, c10::Device(device));
+      },
+      py::arg("name"),
+      py::arg("device"));
+  m.def(
+      "rng_swap_out",
+      [](const std::string& name, const std::string& device, const at::Tensor& default_state) {
+        tp::rng_tracker().swap_out(name, c10::Device(device), default_state);
+      },
+      py::arg("name"),
+      py::arg("device"),
+      py::arg("default_state"));
+  m.def(
+      "model_parallel_manual_seed",
+      [](uint64_t seed, const std::string& group, const std::string& device) {
+        tp::model_parallel_manual_seed(seed, resolve(group), c10::Device(device));
+      },
+      py::arg("seed"),
+      py::arg("group"),
+      py::arg("device"));
+  m.attr("MODEL_PARALLEL_RNG") = tp::kModelParallelRng;
+
+  // ---- sharding ----
+  m.def(
+      "load_dense_linear_",
+      [](at::Tensor weight,
+         std::optional<at::Tensor> bias,
+         const at::Tensor& dense_weight,
+         const std::optional<at::Tensor>& dense_bias,
+         int64_t shard_dim,
+         const std::string& group) {
+        tp::load_dense_linear_(weight, bias, dense_weight, dense_bias, shard_dim, resolve(group));
+      },
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("dense_weight"),
+      py::arg("dense_bias"),
+      py::arg("shard_dim"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "gather_dense_linear",
+      [](const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias,
+         int64_t shard_dim,
+         const std::string& group) {
+        return tp::gather_dense_linear(weight, bias, shard_dim, resolve(group));
+      },
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("shard_dim"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def("divide", &tp::divide, py::arg("size"), py::arg("parts"), py::arg("what"));
+
+  // ---- parallel linear ----
+  m.def(
+      "column_parallel_linear",
+      [](const at::Tensor& input,
+         const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias,
+         int64_t out_features,
+         bool gather_output,
+         bool sequence_parallel,
+         const std::string& group) {
+        return tp::column_parallel_linear(
+            input, weight, bias, out_features, gather_output, sequence_parallel, resolve(group));
+      },
+      py::arg("input"),
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("out_features"),
+      py::arg("gather_output"),
+      py::arg("sequence_parallel"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "row_parallel_linear",
+      [](const at::Tensor& input,
+         const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias,
+         int64_t in_features,
+         bool input_is_parallel,
+         bool sequence_parallel,
+         const std::string& group) {
+        return tp::row_parallel_linear(
+            input, weight, bias, in_features, input_is_parallel, sequence_parallel, resolve(group));
+      },
+      py::arg("input"),
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("in_features"),
+      py::arg("input_is_parallel"),
+      py::arg("sequence_parallel"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "check_column_parallel_linear",
+      [](int64_t in_features,
+         int64_t out_features,
+         bool bias,
+         bool gather_output,
+         bool sequence_parallel,
+         const std::string& group) {
+        tp::check_column_parallel_linear(
+            in_features, out_features, bias, gather_output, sequence_parallel, resolve(group));
+      },
+      py::arg("in_features"),
+      py::arg("out_features"),
+      py::arg("bias"),
+      py::arg("gather_output"),
+      py::arg("sequence_parallel"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "check_row_parallel_linear",
+      [](int64_t in_features,
+         int64_t out_features,
+         bool bias,
+         bool input_is_parallel,
+         bool sequence_parallel,
+         const std::string& group) {
+        tp::check_row_parallel_linear(
+            in_features, out_features, bias, input_is_parallel, sequence_parallel, resolve(group));
+      },
+      py::arg("in_features"),
+      py::arg("out_features"),
+      py::arg("bias"),
+      py::arg("input_is_parallel"),
+      py::arg("sequence_parallel"),
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "init_parallel_linear_",
+      [](at::Tensor weight,
+         std::optional<at::Tensor> bias,
+         int64_t in_features,
+         int64_t out_features,
+         int64_t shard_dim,
+         const std::string& group) {
+        tp::init_parallel_linear_(
+            weight, bias, in_features, out_features, shard_dim, resolve(group));
+      },
+      py::arg("weight"),
+      py::arg("bias"),
+      py::arg("in_features"),
+      py::arg("out_features"),
+      py::arg("shard_dim"),
+      py::arg("group"),
+      ReleaseGil());
+
   // ---- sharding helpers ----
   m.def(
       "shard",

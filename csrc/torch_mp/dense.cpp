@@ -2,14 +2,14 @@
 
 #include <ATen/ATen.h>
 
-#include "torch_mp/tensor_parallel/blocks.h"
+#include "torch_mp/activation.h"
 
 namespace torch_mp::dense {
 
 MLPImpl::MLPImpl(MLPOptions options_) : options(std::move(options_)) { reset(); }
 
 void MLPImpl::reset() {
-  tensor_parallel::activation(at::zeros({1}), options.activation());  // raises on a bad name
+  check_activation(options.activation());
   fc1 = register_module(
       "fc1",
       torch::nn::Linear(torch::nn::LinearOptions(options.hidden_size(), options.ffn_hidden_size())
@@ -21,7 +21,7 @@ void MLPImpl::reset() {
 }
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
-  const auto inner = tensor_parallel::activation(fc1(x), options.activation());
+  const auto inner = activation(fc1(x), options.activation());
   return fc2(at::dropout(inner, options.dropout(), is_training()));
 }
 

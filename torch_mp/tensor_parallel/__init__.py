@@ -9,7 +9,8 @@ from torch_mp.tensor_parallel.blocks import (
     ParallelTransformerLayer,
 )
 from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2d
-from torch_mp.tensor_parallel.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from torch_mp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from torch_mp.tensor_parallel.embedding import VocabParallelEmbedding
 from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [

@@ -15,7 +15,8 @@ from torch import nn
 
 from torch_mp import _C, ops
 from torch_mp._group import SharesGroup
-from torch_mp.mesh import get_mesh, tp_group_name
+from torch_mp.mesh import get_mesh
+from torch_mp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
 
 
 class VocabParallelEmbedding(SharesGroup, nn.Module):
@@ -127,59 +128,3 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         return s + f", tp_size={self.tp_size}"
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-    group: dist.ProcessGroup | None = None,
-    *,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """Cross-entropy over logits split along the last (vocabulary) dim, never gathered.
-
-    Equals ``F.cross_entropy(full_logits.flatten(0, -2), target.flatten(), ignore_index=...,
-    label_smoothing=..., reduction=...)`` (reshaped as ``target`` for ``reduction="none"``),
-    where ``full_logits`` is the ranks' ``logits`` concatenated along the last dim. Each rank
-    keeps one shard-sized buffer (the softmax numerators, reused for the gradient) and
-    exchanges ``4 x rows + 7`` numbers, not the logits.
-
-    Args:
-        logits: This rank's ``[..., V_local]`` shard.
-        target: Class ids ``[...]``, the same on every rank, in ``[0, vocab_size)`` or
-            ``ignore_index``.
-        ignore_index: Target value that contributes neither loss nor gradient.
-        label_smoothing: As in ``F.cross_entropy``, spread over the ``vocab_size`` real classes.
-        reduction: ``"mean"`` (over non-ignored targets), ``"sum"`` or ``"none"``.
-        group: The tensor-parallel group; the default mesh's when None.
-        vocab_size: The real vocabulary size when shards are padded (as a
-            :class:`VocabParallelEmbedding`'s are); padded entries get no probability. Default:
-            every entry of every shard is vocabulary.
-
-    Backward may run once per forward (the saved softmax becomes the gradient in place).
-    """
-    if torch.compiler.is_compiling():
-        group = group if group is not None else get_mesh().tp_group
-        return ops.vocab_parallel_cross_entropy(
-            logits,
-            target,
-            ignore_index,
-            label_smoothing,
-            reduction,
-            vocab_size,
-            group.group_name,
-            dist.get_world_size(group),
-            dist.get_rank(group),
-        )
-    return _C.vocab_parallel_cross_entropy(
-        logits,
-        target,
-        ignore_index,
-        label_smoothing,
-        reduction,
-        vocab_size,
-        tp_group_name(group),
-    )

@@ -231,14 +231,6 @@ std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_qkv(
   return {dense_weight, dense_bias};
 }
 
-at::Tensor activation(const at::Tensor& x, const std::string& name) {
-  if (name == "gelu") {
-    return at::gelu(x);
-  }
-  TORCH_CHECK(name == "relu", "torch_mp: activation must be 'relu' or 'gelu', got '", name, "'");
-  return at::relu(x);
-}
-
 void load_dense_batch_norm_(torch::nn::BatchNorm2d& local,
                             const torch::nn::BatchNorm2d& dense,
                             const GroupPtr& group) {

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "torch_mp/activation.h"
 #include "torch_mp/dense.h"
 #include "torch_mp/process_groups.h"
 #include "torch_mp/tensor_parallel/conv.h"
@@ -108,8 +109,8 @@ void load_dense_qkv_(at::Tensor& weight,
 std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_qkv(
     const at::Tensor& weight, const std::optional<at::Tensor>& bias, const GroupPtr& group);
 
-/// "relu" or "gelu" applied to `x` (raises on other names).
-at::Tensor activation(const at::Tensor& x, const std::string& name);
+/// "relu" or "gelu" applied to `x` (torch_mp/activation.h).
+using torch_mp::activation;
 
 /// Copies this rank's channels of a dense BatchNorm2d (parameters and running statistics).
 void load_dense_batch_norm_(torch::nn::BatchNorm2d& local,

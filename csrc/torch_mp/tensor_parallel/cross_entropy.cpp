@@ -11,7 +11,7 @@
 #include "torch_mp/tensor_parallel/embedding.h"
 
 #ifdef TORCH_MP_WITH_CUDA
-#include "torch_mp/cuda/cross_entropy.h"
+#include "torch_mp/tensor_parallel/cross_entropy_cuda.h"
 #endif
 
 namespace torch_mp::tensor_parallel {
@@ -20,7 +20,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The two passes over the shard. Shapes and meanings as in csrc/torch_mp/cuda/cross_entropy.h:
+// The two passes over the shard. Shapes and meanings as in csrc/torch_mp/tensor_parallel/cross_entropy_cuda.h:
 // forward returns exp(z - max) (0 on padding) and per-row [sum exp, target logit - max,
 // sum (z - max)]; backward turns the exp buffer into the gradient in place.
 // The type sums are taken in: float for float, half and bfloat16 logits, double for double.

@@ -24,7 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "torch_mp/cuda/cross_entropy.h"
+#include "torch_mp/tensor_parallel/cross_entropy_cuda.h"
 
 namespace torch_mp::cuda {
 namespace {
