@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
@@ -38,7 +39,9 @@ class CMakeBuild(build_ext):
         prebuilt = os.environ.get("TORCH_MP_BUILD_DIR")
         if prebuilt:
             subprocess.check_call(["cmake", "--build", prebuilt, "--target", "_C"])
-            [built] = (ROOT / "torch_mp").glob("_C.*.so")
+            built = ROOT / "torch_mp" / f"_C{sysconfig.get_config_var('EXT_SUFFIX')}"
+            if not built.exists():
+                raise RuntimeError(f"{built} is not built for this Python (run make build)")
             output_dir.mkdir(parents=True, exist_ok=True)
             if built.parent.resolve() != output_dir:
                 shutil.copy2(built, output_dir / built.name)

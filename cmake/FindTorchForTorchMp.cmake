@@ -2,6 +2,8 @@
 #   TORCH_MP_TORCH_LIBRARIES  what libtorch_mp links against
 #   TORCH_MP_WITH_CUDA        ON when torch was built with CUDA and a CUDA compiler is present
 #   GLOO_INCLUDE_DIR          Gloo headers (the torch wheel does not ship them), if found
+#   NCCL_INCLUDE_DIR          nccl.h (the CUDA wheel's nvidia-nccl package, or the system's), if
+#                             found on a CUDA build: C++ can then create NCCL groups
 #
 # Torch's own CMake config insists on a CUDA toolkit when the wheel is a CUDA build, and on an
 # architecture list when no GPU is present: we default CUDA_TOOLKIT_ROOT_DIR to /usr/local/cuda
@@ -42,3 +44,11 @@ if(TARGET torch_cuda OR TORCH_CUDA_LIBRARIES)
 endif()
 
 find_path(GLOO_INCLUDE_DIR gloo/algorithm.h)
+
+if(TORCH_MP_WITH_CUDA)
+  find_path(NCCL_INCLUDE_DIR nccl.h
+    HINTS "${TORCH_INSTALL_PREFIX}/../nvidia/nccl/include" "${CUDA_TOOLKIT_ROOT_DIR}/include")
+  # ProcessGroupNCCL.hpp reaches the CUDA libraries' headers (cusparse.h, ...), which a bare
+  # toolkit may lack and the CUDA wheel's nvidia packages ship.
+  file(GLOB TORCH_MP_NVIDIA_INCLUDE_DIRS "${TORCH_INSTALL_PREFIX}/../nvidia/*/include")
+endif()

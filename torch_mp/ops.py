@@ -11,7 +11,8 @@ loss in one graph, equal to eager (``tests/python/test_compile.py``).
 
 Not traced yet: dropout inside the tensor-parallel region with p > 0 in training (it draws from
 the core's per-rank generator; refused with an error under compile), and the eager path's checks
-of ids and targets against the vocabulary.
+of ids and targets against the vocabulary (an out-of-range id or target is an error eager, not
+compiled).
 """
 
 from __future__ import annotations
@@ -250,12 +251,14 @@ def vocab_parallel_cross_entropy(
     """``F.cross_entropy`` over the ranks' logits joined along the last dim, never gathered:
     the maximum, the softmax denominator and the target's logit are reduced over the group
     (``reduce_from_tp``: the gradient of each rank's share is its own, as the sum's is)."""
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     local = logits.shape[-1]
     start = tp_rank * local
     vocab = local * tp_size if vocab_size is None else vocab_size
     real = max(0, min(local, vocab - start))  # this rank's columns that are vocabulary
-    x = logits.reshape(-1, local)
-    t = target.reshape(-1)
+    x = logits.reshape(-1, local).float()  # half and bfloat16 accumulate in float, as eager does
+    t = target.reshape(-1).long()
     padding = torch.arange(local, device=x.device) >= real
     if real < local:
         x = x.masked_fill(padding, float("-inf"))
@@ -272,11 +275,11 @@ def vocab_parallel_cross_entropy(
     kept = t != ignore_index
     loss = loss.masked_fill(~kept, 0.0)
     if reduction == "none":
-        return loss.reshape(target.shape)
+        return loss.reshape(target.shape).to(logits.dtype)
     if reduction == "sum":
-        return loss.sum()
+        return loss.sum().to(logits.dtype)
     if reduction == "mean":
-        return loss.sum() / kept.sum()
+        return (loss.sum() / kept.sum()).to(logits.dtype)
     raise ValueError(
         f"vocab_parallel_cross_entropy: reduction must be mean, sum or none, not {reduction!r}"
     )

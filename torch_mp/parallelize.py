@@ -80,7 +80,15 @@ __all__ = [
 
 
 class ParallelStyle:
-    """How one module becomes tensor-parallel: :meth:`apply` returns its replacement."""
+    """How one module becomes tensor-parallel: :meth:`apply` returns its replacement.
+    ``TAKES`` (module types) and :meth:`check` refuse modules it does not fit, before
+    :func:`parallelize` changes anything."""
+
+    TAKES: tuple[type, ...] = ()
+
+    def check(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+        if self.TAKES and not isinstance(module, self.TAKES):
+            self._refuse(module, " and ".join(f"nn.{t.__name__}" for t in self.TAKES))
 
     def apply(self, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         raise NotImplementedError
@@ -95,6 +103,12 @@ class ColwiseParallel(ParallelStyle):
 
     gather_output: bool = False
     sequence_parallel: bool = False
+    TAKES = (nn.Linear, nn.Conv2d)
+
+    def check(self, module, group):
+        ParallelStyle.check(self, module, group)
+        if self.sequence_parallel and not isinstance(module, nn.Linear):
+            self._refuse(module, "nn.Linear (sequence parallel)")
 
     def apply(self, module, group):
         if isinstance(module, nn.Linear):
@@ -116,6 +130,8 @@ class RowwiseParallel(ParallelStyle):
 
     input_is_parallel: bool = True
     sequence_parallel: bool = False
+    TAKES = (nn.Linear, nn.Conv2d)
+    check = ColwiseParallel.check
 
     def apply(self, module, group):
         if isinstance(module, nn.Linear):
@@ -136,6 +152,8 @@ class RowwiseParallel(ParallelStyle):
 class VocabParallel(ParallelStyle):
     """An embedding's vocabulary split over the ranks (any size; the last rows padded)."""
 
+    TAKES = (nn.Embedding,)
+
     def apply(self, module, group):
         if not isinstance(module, nn.Embedding):
             self._refuse(module, "nn.Embedding")
@@ -146,6 +164,8 @@ class VocabParallel(ParallelStyle):
 class ChannelParallelNorm(ParallelStyle):
     """A BatchNorm over this rank's channels (after a colwise convolution)."""
 
+    TAKES = (nn.BatchNorm2d,)
+
     def apply(self, module, group):
         if not isinstance(module, nn.BatchNorm2d):
             self._refuse(module, "nn.BatchNorm2d")
@@ -155,6 +175,8 @@ class ChannelParallelNorm(ParallelStyle):
 @dataclass(frozen=True)
 class SequenceParallelNorm(ParallelStyle):
     """A LayerNorm on this rank's chunk of the sequence (its gradients summed over ranks)."""
+
+    TAKES = (nn.LayerNorm,)
 
     def apply(self, module, group):
         if not isinstance(module, nn.LayerNorm):
@@ -195,7 +217,10 @@ class _MultiheadSelfAttention(ParallelSelfAttention):
 
 @dataclass(frozen=True)
 class AttentionParallel(ParallelStyle):
-    """``nn.MultiheadAttention`` (self-attention, no kdim/vdim) with its heads split."""
+    """``nn.MultiheadAttention`` (self-attention, no kdim/vdim) with its heads split. Called as
+    the dense module is, it returns ``(output, None)``: attention weights are not gathered."""
+
+    TAKES = (nn.MultiheadAttention,)
 
     def apply(self, module, group):
         if not isinstance(module, nn.MultiheadAttention):
@@ -230,7 +255,11 @@ class _EncoderLayer(ParallelTransformerLayer):
 @dataclass(frozen=True)
 class TransformerLayerParallel(ParallelStyle):
     """``nn.TransformerEncoderLayer``: heads and MLP split (with ``sequence_parallel`` also the
-    norms, dropouts and residuals, on ``[s / t, b, h]`` chunks)."""
+    norms, dropouts and residuals, on ``[s / t, b, h]`` chunks: the caller scatters the sequence
+    before the first such layer and gathers it after the last, and modules between them on the
+    chunks need a sequence-parallel style too, e.g. "sequence_norm" for a final LayerNorm)."""
+
+    TAKES = (nn.TransformerEncoderLayer,)
 
     sequence_parallel: bool = False
 
@@ -255,16 +284,20 @@ class LocalAttributes(ParallelStyle):
     def __repr__(self) -> str:
         return f"LocalAttributes{self.names!r}"
 
-    def apply(self, module, group):
+    def check(self, module, group):
         t = dist.get_world_size(group)
         for name in self.names:
             value = getattr(module, name, None)
             if not isinstance(value, int) or value % t:
                 raise ValueError(
-                    f"parallelize: {type(module).__name__}.{name} ({value!r}) is not an integer "
-                    f"divisible by the tensor-parallel size ({t})"
+                    f"{type(module).__name__}.{name} ({value!r}) is not an integer divisible by "
+                    f"the tensor-parallel size ({t})"
                 )
-            setattr(module, name, value // t)
+
+    def apply(self, module, group):
+        t = dist.get_world_size(group)
+        for name in self.names:
+            setattr(module, name, getattr(module, name) // t)
         return module
 
 
@@ -307,7 +340,11 @@ RESNET_BASIC_BLOCK_PLAN: dict[str, ParallelStyle | str] = {
 def prefixed(prefix: str, plan: Plan) -> dict[str, ParallelStyle | str]:
     """``plan`` for the modules under ``prefix`` (a name or pattern): ``prefixed("layer1.*",
     RESNET_BASIC_BLOCK_PLAN)`` covers every block of a ResNet's layer1."""
-    return {f"{prefix}.{key}" if key else prefix: style for key, style in plan.items()}
+
+    def join(key: str) -> str:
+        return ".".join(part for part in (prefix, key) if part)
+
+    return {join(key): style for key, style in plan.items()}
 
 
 def default_plan(model: nn.Module) -> dict[str, ParallelStyle | str]:
@@ -317,8 +354,10 @@ def default_plan(model: nn.Module) -> dict[str, ParallelStyle | str]:
     for name, module in model.named_modules():
         if isinstance(module, nn.TransformerEncoderLayer):
             plan[name] = "transformer_layer"
-        elif isinstance(module, nn.MultiheadAttention) and not any(
-            name.startswith(f"{layer}.") or not layer for layer in plan
+        elif (
+            isinstance(module, nn.MultiheadAttention)
+            and not name.endswith("multihead_attn")  # a decoder layer's cross-attention
+            and not any(name.startswith(f"{layer}.") or not layer for layer in plan)
         ):
             plan[name] = "attention"
     if not plan:
@@ -327,6 +366,11 @@ def default_plan(model: nn.Module) -> dict[str, ParallelStyle | str]:
             "nn.MultiheadAttention; give a plan"
         )
     return plan
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether the module ``name`` lies strictly inside the module ``outer``."""
+    return name != outer and (not outer or name.startswith(f"{outer}."))
 
 
 def _style(style: ParallelStyle | str) -> ParallelStyle:
@@ -356,6 +400,8 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = 
     chosen: dict[str, tuple[str, ParallelStyle]] = {}
     for pattern, style in plan.items():
         matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+        # "*" crosses dots: of the modules one pattern matches, the outermost are meant.
+        matched = [n for n in matched if not any(_inside(n, m) for m in matched)]
         if not matched:
             raise ValueError(
                 f"parallelize: plan entry {pattern!r} matches no module of {type(model).__name__}"
@@ -368,9 +414,28 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = 
             chosen[name] = (pattern, _style(style))
     replaced = [n for n, (_, s) in chosen.items() if not isinstance(s, LocalAttributes)]
     for name in chosen:
-        outer = [r for r in replaced if r != name and (not r or name.startswith(f"{r}."))]
+        outer = [r for r in replaced if _inside(name, r)]
         if outer:
             raise ValueError(f"parallelize: {name!r} lies inside {outer[0]!r}, which is replaced")
+    # Everything is checked before anything changes.
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    for name in replaced:
+        module = model.get_submodule(name)
+        for param in module.parameters():
+            elsewhere = [o for o in owners[id(param)] if o != name and not _inside(o, name)]
+            if elsewhere:
+                raise ValueError(
+                    f"parallelize: {name!r} shares a parameter with {elsewhere[0]!r} (tied "
+                    "weights): its shard would no longer be that module's; untie them first"
+                )
+    for name, (pattern, style) in chosen.items():
+        try:
+            style.check(model.get_submodule(name), group)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"parallelize: {name!r} (plan entry {pattern!r}): {e}") from e
     for name, (pattern, style) in chosen.items():
         module = model.get_submodule(name)
         try:

@@ -162,7 +162,7 @@ std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
                                 const InitOptions& options) {
   auto mesh = std::make_shared<Mesh>();
   mesh->rank = rank;
-  // Creating NCCL groups from C++ is not built yet, so Gloo is the default here for now.
+  // Gloo unless NCCL is asked for (torch_mp::init then puts each rank on its local device).
   const Backend backend = options.backend().value_or(Backend::kGloo);
   mesh->store = store;
   mesh->world = new_process_group(c10::make_intrusive<c10d::PrefixStore>("torch_mp/world", store),
@@ -206,6 +206,10 @@ std::shared_ptr<Mesh> init(const InitOptions& options) {
     store_options.isServer = false;
   }
   auto store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+  if (options.backend() == Backend::kNccl) {  // each rank on its local device
+    const char* local_rank = std::getenv("LOCAL_RANK");
+    use_local_cuda_device(local_rank ? std::stoi(local_rank) : static_cast<int>(rank));
+  }
   auto mesh = make_mesh(store, rank, world_size, options);
   set_mesh(mesh);
   return mesh;

@@ -10,10 +10,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/WrapDimMinimal.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
 #include <string>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include "torch_mp/collectives.h"
 
@@ -48,21 +48,14 @@ at::Tensor split(const at::Tensor& x, int64_t dim, c10::string_view group) {
   return comm::split(x, dim, group_named(group));
 }
 
-/// `x`'s shape with dim `dim` multiplied (`grow`) or divided by the group's size.
+/// `x`'s shape with dim `dim` multiplied (`grow`) or divided by the group's size, in symbolic
+/// sizes (torch.compile's dynamic shapes); the real kernels check divisibility.
 at::Tensor resized_like(const at::Tensor& x, int64_t dim, c10::string_view group, bool grow) {
   const int64_t size = group_named(group)->getSize();
-  auto sizes = x.sizes().vec();
+  auto sizes = x.sym_sizes().vec();
   dim = c10::maybe_wrap_dim(dim, x.dim());
-  TORCH_CHECK(grow || sizes[dim] % size == 0,
-              "torch_mp: dim ",
-              dim,
-              " of size ",
-              sizes[dim],
-              " does not split over ",
-              size,
-              " ranks");
   sizes[dim] = grow ? sizes[dim] * size : sizes[dim] / size;
-  return at::empty(sizes, x.options());
+  return at::empty_symint(sizes, x.options());
 }
 
 at::Tensor all_reduce_meta(const at::Tensor& x, c10::string_view op, c10::string_view) {

@@ -8,6 +8,12 @@
 #ifdef TORCH_MP_WITH_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
+// NCCL groups need a CUDA build of torch and nccl.h (CMake finds the CUDA wheel's).
+#ifdef TORCH_MP_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace torch_mp {
 
@@ -36,7 +42,36 @@ c10::intrusive_ptr<c10d::Backend> make_gloo(const StorePtr& store,
 }
 #endif
 
+#ifdef TORCH_MP_WITH_NCCL
+c10::intrusive_ptr<c10d::Backend> make_nccl(const StorePtr& store,
+                                            int rank,
+                                            int size,
+                                            std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+}
+#endif
+
 }  // namespace
+
+bool nccl_available() {
+#ifdef TORCH_MP_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+void use_local_cuda_device(int local_rank) {
+#ifdef TORCH_MP_WITH_NCCL
+  const int devices = static_cast<int>(c10::cuda::device_count());
+  TORCH_CHECK(devices > 0, "torch_mp: an NCCL group needs a CUDA device; this process sees none");
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(local_rank % devices));
+#else
+  TORCH_CHECK(false, "torch_mp was built without NCCL (a CUDA build of torch and nccl.h)");
+#endif
+}
 
 GroupPtr new_process_group(const StorePtr& store,
                            int rank,
@@ -64,10 +99,26 @@ GroupPtr new_process_group(const StorePtr& store,
           "(install libgloo-dev and rebuild)");
 #endif
     }
-    case Backend::kNccl:
+    case Backend::kNccl: {
+#ifdef TORCH_MP_WITH_NCCL
+      // CUDA tensors over NCCL; CPU tensors (the agreement checks, failure notices) over Gloo
+      // when it is built in, as torch.distributed's "cpu:gloo,cuda:nccl".
+      auto nccl =
+          make_nccl(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, size, timeout);
+      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
+#ifdef TORCH_MP_WITH_GLOO
+      auto gloo =
+          make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, size, timeout);
+      group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+#endif
+      group->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+      break;
+#else
       TORCH_CHECK(false,
-                  "torch_mp: NCCL groups cannot be created from C++ in this build yet; "
-                  "use the Python front end (torch.distributed) for CUDA tensors");
+                  "torch_mp was built without NCCL (it needs a CUDA build of torch and nccl.h), "
+                  "so it cannot create NCCL groups from C++");
+#endif
+    }
   }
   group->setGroupName(name);
   return group;

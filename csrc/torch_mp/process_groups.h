@@ -26,6 +26,13 @@ Backend parse_backend(const std::string& name);
 /// The backend for tensors on `device`: NCCL for CUDA, Gloo otherwise.
 Backend default_backend(bool cuda);
 
+/// Whether this build can create NCCL groups (a CUDA build of torch, nccl.h found).
+bool nccl_available();
+
+/// Makes CUDA device `local_rank` (modulo the devices this process sees) the current one, as each
+/// rank of an NCCL group needs its own; raises without NCCL or a device.
+void use_local_cuda_device(int local_rank);
+
 /// Creates a process group of `size` ranks in which this process has rank `rank`.
 ///
 /// All members must call it with the same `store` contents: give each group its own store
@@ -33,8 +40,9 @@ Backend default_backend(bool cuda);
 /// dead or absent peer turns into an error instead of a hang. `name` names the group in c10d's
 /// messages.
 ///
-/// Raises if the backend was not compiled in (Gloo needs its headers at build time, NCCL a CUDA
-/// build of torch).
+/// NCCL groups carry CUDA tensors, and CPU tensors over Gloo where Gloo is built in. Raises if
+/// the backend was not compiled in (Gloo needs its headers at build time, NCCL a CUDA build of
+/// torch and nccl.h).
 GroupPtr new_process_group(const StorePtr& store,
                            int rank,
                            int size,

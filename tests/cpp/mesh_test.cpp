@@ -3,6 +3,7 @@
 #include "torch_mp/mesh.h"
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <gtest/gtest.h>
 
 #include <ostream>
@@ -181,6 +182,31 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes,
                          MakeMeshMismatch,
                          ::testing::Values(2, 4),
                          testing::world_size_name);
+
+// ---- NCCL groups from C++ (run where a GPU is; what can be checked without one, otherwise) ----
+
+TEST(NcclGroup, OneRankAllReducesOnItsDeviceOrSaysWhyItCannot) {
+  const StorePtr store = c10::make_intrusive<c10d::HashStore>();
+  if (!nccl_available()) {
+    EXPECT_TRUE(mentions(error_of([&] {
+                           new_process_group(
+                               store, 0, 1, Backend::kNccl, std::chrono::seconds(20), "nccl");
+                         }),
+                         "built without NCCL"));
+    GTEST_SKIP() << "this build has no NCCL (a CPU build of torch, or nccl.h not found)";
+  }
+  if (!at::hasCUDA() || at::detail::getCUDAHooks().deviceCount() == 0) {
+    EXPECT_TRUE(mentions(error_of([] { use_local_cuda_device(0); }), "sees none"));
+    GTEST_SKIP() << "needs a CUDA device (the build has NCCL; nothing to run it on here)";
+  }
+  use_local_cuda_device(0);
+  const auto group =
+      new_process_group(store, 0, 1, Backend::kNccl, std::chrono::seconds(20), "nccl");
+  const auto x = at::arange(6, at::TensorOptions(at::kFloat).device(at::kCUDA));
+  EXPECT_TRUE(comm::all_reduce(x, group).cpu().equal(x.cpu()));
+  const auto cpu = at::ones({3});  // CPU tensors go over Gloo on the same group
+  EXPECT_TRUE(comm::all_reduce(cpu, group).equal(cpu));
+}
 
 }  // namespace
 }  // namespace torch_mp

@@ -56,6 +56,11 @@ def _mlp(tp: int) -> None:
     x = torch.randn(4, 16)
     _no_graph_break(mlp, x)
     _compiled_equals_eager(mlp, lambda y: y.square().sum(), x)
+    # Further batch sizes: the graph is recompiled with dynamic shapes.
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    for rows in (4, 6, 9):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(compiled(x), mlp(x), **TOL)
 
 
 def _transformer_layer(tp: int, sequence_parallel: bool) -> None:

@@ -99,6 +99,10 @@ def test_a_libtorch_application_built_against_the_install_prefix_runs(tmp_path):
     prefix, build = tmp_path / "prefix", tmp_path / "app"
     cmake = str(BIN / "cmake")
     _run([cmake, "--install", str(BUILD), "--prefix", str(prefix)], tmp_path)
+    # The installed library finds torch's libraries by itself: loaded into a process that has
+    # not imported torch (an application's own run path does not serve libtorch_mp's needs).
+    library = prefix / "lib" / "libtorch_mp.so"
+    _run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(library)!r})"], tmp_path)
     _run(
         [cmake, "-S", str(ROOT / "examples/cpp"), "-B", str(build), "-G", "Ninja",
          f"-DCMAKE_MAKE_PROGRAM={BIN / 'ninja'}",

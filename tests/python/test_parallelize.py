@@ -34,6 +34,7 @@ def _check_step(dense: nn.Module, plan, inputs, loss_fn) -> None:
     outputs = []
     for model in (dense, parallel):
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        optimizer.zero_grad()
         out = model(*inputs)
         loss_fn(out).backward()
         optimizer.step()
@@ -55,6 +56,8 @@ def _transformer_encoder(tp: int) -> None:
         x = torch.randn(6, 3, 32)
         mask = nn.Transformer.generate_square_subsequent_mask(6)
         _check_step(dense, None, (x, mask), lambda y: y.square().mean())
+    # "*" crosses dots; a pattern means the outermost modules it matches.
+    _check_step(dense, {"layers.*": "transformer_layer"}, (x, mask), lambda y: y.square().mean())
 
 
 class _Attending(nn.Module):
@@ -141,16 +144,20 @@ def _local_attributes_and_bad_plans(tp: int) -> list[str]:
     plan = {"": LocalAttributes("num_heads"), "qkv": "colwise", "proj": "rowwise"}
     _check_step(_Heads(), plan, (torch.randn(3, 16),), lambda y: y.square().mean())
     errors = []
-    for bad in (
-        {"nothing.here": "colwise"},
-        {"qkv": "colwise", "q*": "rowwise"},
-        {"qkv": "vocab"},
-        {"qkv": "sideways"},
+    tied = _Heads()
+    tied.proj.weight = tied.qkv.weight
+    for model, bad in (
+        (_Heads(), {"nothing.here": "colwise"}),
+        (_Heads(), {"qkv": "colwise", "q*": "rowwise"}),
+        (_Heads(), {"qkv": "colwise", "proj": "vocab"}),
+        (_Heads(), {"qkv": "sideways"}),
+        (tied, {"qkv": "colwise"}),
     ):
         try:
-            torch_mp.parallelize(_Heads(), plan=bad)
+            torch_mp.parallelize(model, plan=bad)
         except (ValueError, TypeError) as e:
             errors.append(str(e))
+        assert type(model.qkv) is nn.Linear  # refused before anything changed
     dist.barrier()
     return errors
 
@@ -159,7 +166,6 @@ def test_local_attributes_and_plans_that_do_not_fit_are_named(world2):
     [errors] = world2.run(_local_attributes_and_bad_plans, 2)[:1]
     assert "plan entry 'nothing.here' matches no module of _Heads" in errors[0]
     assert "'qkv' is matched by both 'qkv' and 'q*'" in errors[1]
-    assert (
-        "'qkv' (plan entry 'qkv'): VocabParallel applies to nn.Embedding, not Linear" in errors[2]
-    )
+    assert "'proj' (plan entry 'proj'): VocabParallel applies to nn.Embedding" in errors[2]
     assert "unknown style 'sideways'" in errors[3]
+    assert "'qkv' shares a parameter with 'proj' (tied weights)" in errors[4]

@@ -586,14 +586,16 @@ class ChannelParallelBatchNorm2d(SharesGroup, nn.BatchNorm2d):
     def to_dense(self) -> nn.BatchNorm2d:
         """The dense ``nn.BatchNorm2d`` on every rank (a collective over the group)."""
         t = dist.get_world_size(self.group)
-        like = next(iter((*self.parameters(), *self.buffers())))
+        floats = [x for x in (*self.parameters(), *self.buffers()) if x.is_floating_point()]
         dense = nn.BatchNorm2d(
             self.num_features * t,
             eps=self.eps,
             momentum=self.momentum,
             affine=self.affine,
             track_running_stats=self.track_running_stats,
-        ).to(device=like.device, dtype=like.dtype if like.is_floating_point() else None)
+        )
+        if floats:
+            dense.to(device=floats[0].device, dtype=floats[0].dtype)
         with torch.no_grad():
             for key in ("weight", "bias", "running_mean", "running_var"):
                 local = getattr(self, key)
