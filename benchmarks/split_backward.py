@@ -41,9 +41,7 @@ from torch import nn
 import torch_mp
 from torch_mp import pipeline
 
-COMMAND = (
-    ".venv/bin/torchrun --standalone --nproc-per-node=1 benchmarks/split_backward.py"
-)
+COMMAND = ".venv/bin/torchrun --standalone --nproc-per-node=1 benchmarks/split_backward.py"
 
 
 def models() -> list[tuple[str, nn.Module, torch.Tensor]]:
