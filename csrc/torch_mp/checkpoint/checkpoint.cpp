@@ -163,17 +163,6 @@ void set_state(torch::optim::Optimizer& optimizer,
   optimizer.state()[parameter.unsafeGetTensorImpl()] = std::move(state);
 }
 
-template <typename Body>
-void attempt(std::vector<std::string>& problems, const Body& body) {
-  try {
-    body();
-  } catch (const c10::Error& e) {
-    problems.push_back(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    problems.push_back(e.what());
-  }
-}
-
 std::vector<DenseTensor> all_dense_tensors(const std::vector<Stage>& stages) {
   std::vector<DenseTensor> out;
   for (const auto& stage : stages) {
@@ -227,7 +216,7 @@ void save(const std::string& path,
   mesh = mesh ? mesh : get_mesh();
   std::vector<Shard> shards;
   std::vector<std::string> problems;
-  attempt(problems, [&] {
+  collect_problems(problems, [&] {
     const auto tensors = all_dense_tensors(stages);
     shards = model_shards(tensors, *mesh);
     if (!optimizer) {
@@ -301,7 +290,7 @@ std::map<std::string, std::string> load(const std::string& path,
   std::vector<Pending> pending;
   std::vector<Shard> shards;
   std::vector<std::string> problems;
-  attempt(problems, [&] {
+  collect_problems(problems, [&] {
     const auto tensors = all_dense_tensors(stages);
     shards = model_shards(tensors, *mesh);
     if (!optimizer) {
@@ -354,7 +343,7 @@ void load_dense(const std::string& path,
   const Reader reader(path, mesh->world, kModel);
   std::vector<Shard> shards;
   std::vector<std::string> problems;
-  attempt(problems, [&] { shards = model_shards(all_dense_tensors(stages), *mesh); });
+  collect_problems(problems, [&] { shards = model_shards(all_dense_tensors(stages), *mesh); });
   raise_anywhere(problems, "torch_mp::checkpoint: cannot load " + path, mesh->world);
   reader.load(shards, mesh->world);
 }
@@ -367,14 +356,10 @@ void export_dense(const std::string& path,
   save(parts, stages, nullptr, {}, mesh);
   std::vector<std::string> problems;
   if (mesh->rank == 0) {
-    try {
+    collect_problems(problems, [&] {
       consolidate(parts, path, kModel);
       std::filesystem::remove_all(parts);
-    } catch (const c10::Error& e) {
-      problems.push_back(e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      problems.push_back(e.what());
-    }
+    });
   }
   raise_anywhere(
       problems, "torch_mp::checkpoint::export_dense to " + path + " failed", mesh->world);

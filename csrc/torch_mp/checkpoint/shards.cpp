@@ -305,15 +305,7 @@ void save(const std::string& path_in,
   tag.insert(0, 20 - std::min<size_t>(20, tag.size()), '0');
   const std::string partial = path + ".partial-" + tag;
   std::vector<std::string> problems;
-  const auto attempt = [&problems](const auto& body) {
-    try {
-      body();
-    } catch (const c10::Error& e) {
-      problems.push_back(e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      problems.push_back(e.what());
-    }
-  };
+  const auto attempt = [&problems](const auto& body) { collect_problems(problems, body); };
   if (root) {
     attempt([&] {
       remove_leftovers(path);
@@ -407,7 +399,7 @@ void save(const std::string& path_in,
 
 Reader::Reader(const std::string& path, const GroupPtr& group, const std::string& dense_prefix) {
   std::vector<std::string> problems;
-  try {
+  collect_problems(problems, [&] {
     if (fs::is_regular_file(path)) {
       path_ = path;
       files_.emplace_back(path, read_header(path));
@@ -503,11 +495,7 @@ Reader::Reader(const std::string& path, const GroupPtr& group, const std::string
     for (auto& [name, pieces] : pieces_) {
       keep_one_copy(name, pieces);
     }
-  } catch (const c10::Error& e) {
-    problems.push_back(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    problems.push_back(e.what());
-  }
+  });
   raise_anywhere(problems, "torch_mp::checkpoint: cannot read " + path, group);
 }
 
@@ -583,7 +571,7 @@ void Reader::load(const std::vector<Shard>& shards, const GroupPtr& group) const
   }
   const std::string what = "torch_mp::checkpoint: cannot load " + path_;
   raise_anywhere(problems, what, group);
-  try {
+  collect_problems(problems, [&] {
     // Every overlap of a shard's block with a saved block. One that is the whole saved block,
     // into a contiguous part of the shard of the same dtype (the common case: a layout reading
     // what it or a like one wrote), is read straight into place; the rest through a buffer.
@@ -631,11 +619,7 @@ void Reader::load(const std::vector<Shard>& shards, const GroupPtr& group) const
       const auto shape = o.shard->dense_shape();
       o.destination.copy_(o.from.cut(buffer, o.part, std::vector<int64_t>(shape.size(), 0)));
     }
-  } catch (const c10::Error& e) {
-    problems.push_back(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    problems.push_back(e.what());
-  }
+  });
   raise_anywhere(problems, what, group);
 }
 

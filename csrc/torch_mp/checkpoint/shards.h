@@ -15,7 +15,9 @@
 // any other wrote, and a dense safetensors file loads the same way (each tensor one block).
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
+#include <exception>
 #include <map>
 #include <optional>
 #include <string>
@@ -83,6 +85,19 @@ void save(const std::string& path,
           const std::map<std::string, std::string>& metadata,
           const std::map<std::string, std::string>& root_files,
           const GroupPtr& group);
+
+/// Runs `body`, turning an exception into one of `problems` (which raise_anywhere then reports
+/// on every rank: a rank that raised alone would leave the others waiting).
+template <typename Body>
+void collect_problems(std::vector<std::string>& problems, const Body& body) {
+  try {
+    body();
+  } catch (const c10::Error& e) {
+    problems.push_back(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    problems.push_back(e.what());
+  }
+}
 
 /// Raises on every rank of `group` (this rank only when `group` is null) if any rank has
 /// `problems`: "<what> on rank <r>: <its problems>", this rank's own if it has any.
