@@ -23,7 +23,9 @@ import torch.nn.functional as F
 __all__ = [
     "activation",
     "attention_heads",
+    "column_parallel_conv2d",
     "column_parallel_linear",
+    "conv2d_as",
     "copy_to_tp",
     "gather_from_sp",
     "gather_from_tp",
@@ -31,6 +33,7 @@ __all__ = [
     "reduce_from_tp",
     "reduce_scatter_to_sp",
     "region_dropout",
+    "row_parallel_conv2d",
     "row_parallel_linear",
     "scatter_to_tp",
     "vocab_parallel_cross_entropy",
@@ -153,6 +156,35 @@ def row_parallel_linear(x, weight, bias, input_is_parallel: bool, sequence_paral
     else:
         y = reduce_from_tp(y, group)
     return y if bias is None else y + bias
+
+
+def conv2d_as(x, weight, bias, stride, padding, dilation, padding_mode: str):
+    """``F.conv2d`` with an ``nn.Conv2d``'s geometry, as the core's conv2d_as applies it: a
+    non-zero padding mode pads first ("same": each dim's total, its smaller half before)."""
+    if padding_mode != "zeros":
+        pads = []
+        for i in (1, 0):  # last dim first, as F.pad takes them
+            if padding == "same":
+                total = dilation[i] * (weight.shape[2 + i] - 1)
+                pads += [total // 2, total - total // 2]
+            elif padding == "valid":
+                pads += [0, 0]
+            else:
+                pads += [padding[i], padding[i]]
+        return F.conv2d(F.pad(x, pads, mode=padding_mode), weight, bias, stride, 0, dilation)
+    return F.conv2d(x, weight, bias, stride, padding, dilation)
+
+
+def column_parallel_conv2d(x, weight, bias, geometry: tuple, gather_output: bool, group: str):
+    y = conv2d_as(copy_to_tp(x, group), weight, bias, *geometry)
+    return gather_from_tp(y, group, 1) if gather_output else y
+
+
+def row_parallel_conv2d(x, weight, bias, geometry: tuple, input_is_parallel: bool, group: str):
+    if not input_is_parallel:
+        x = scatter_to_tp(x, group, 1)
+    y = reduce_from_tp(conv2d_as(x, weight, None, *geometry), group)
+    return y if bias is None else y + bias.view(-1, 1, 1)
 
 
 def layer_norm(x, weight, bias, eps: float, sequence_parallel: bool, group: str):

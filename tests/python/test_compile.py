@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) of tensor-parallel modules: the MLP (Column -> GELU -> Row), the
-parallel transformer layer (tensor and sequence parallel) and the vocabulary-parallel loss trace
+parallel transformer layer (tensor and sequence parallel), the convolutional block and channel-
+parallel convolutions (padding modes included) and the vocabulary-parallel loss trace
 into one graph (torch._dynamo.explain: no graph break) through the core's collectives registered
 as operators (torch.ops.torch_mp.*), and equal eager: outputs and gradients, rtol 1e-5 (the
 compiled graph may fuse and reorder elementwise work)."""
@@ -108,6 +109,25 @@ def _loss(tp: int) -> None:
     ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 0]])
     _no_graph_break(Model(), ids)
     _compiled_equals_eager(Model(), lambda loss: loss, ids)
+
+
+def _convolutions(tp: int) -> None:
+    use_mesh(tp)
+    torch.manual_seed(3)
+    block = torch_mp.ParallelConvBlock.from_dense(dense.ConvBlock(3, 8, 4))
+    x = torch.randn(2, 3, 9, 7)
+    _no_graph_break(block, x)
+    _compiled_equals_eager(block, lambda y: y.square().sum(), x)
+    pair = nn.Sequential(
+        torch_mp.ColumnParallelConv2d(3, 8, (3, 2), padding="same", padding_mode="reflect"),
+        torch_mp.RowParallelConv2d(8, 4, 3, stride=2, padding=1, padding_mode="circular"),
+    )
+    _compiled_equals_eager(pair, lambda y: y.square().sum(), x)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_convolutions_compile_whole_and_equal_eager(tp):
+    get_world(tp).run(_convolutions, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.utils import _pair
 
-from torch_mp import _C
+from torch_mp import _C, ops
 from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh
 
@@ -79,6 +79,10 @@ class _ParallelConv2d(SharesGroup, nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
         self._register_layouts()
+
+    def _traced_geometry(self) -> tuple:
+        """(stride, padding, dilation, padding_mode) for torch_mp.ops.conv2d_as."""
+        return self.stride, self.padding, self.dilation, self.padding_mode
 
     def _register_layouts(self) -> None:
         _C.set_weight_and_bias_layout(
@@ -208,6 +212,11 @@ class ColumnParallelConv2d(_ParallelConv2d):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return ops.column_parallel_conv2d(
+                input, self.weight, self.bias, self._traced_geometry(), self.gather_output,
+                self.group.group_name,
+            )  # fmt: skip
         return _C.column_parallel_conv2d(
             input, self.weight, self.bias, self._geometry, self.gather_output, self.group.group_name
         )
@@ -270,6 +279,11 @@ class RowParallelConv2d(_ParallelConv2d):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return ops.row_parallel_conv2d(
+                input, self.weight, self.bias, self._traced_geometry(), self.input_is_parallel,
+                self.group.group_name,
+            )  # fmt: skip
         return _C.row_parallel_conv2d(
             input,
             self.weight,
