@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from torch_mp import _C, ops
-from torch_mp.mesh import get_mesh, tp_group_name
+from torch_mp.mesh import get_mesh
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -44,8 +44,8 @@ def vocab_parallel_cross_entropy(
 
     Backward may run once per forward (the saved softmax becomes the gradient in place).
     """
+    group = group if group is not None else get_mesh().tp_group
     if torch.compiler.is_compiling():
-        group = group if group is not None else get_mesh().tp_group
         return ops.vocab_parallel_cross_entropy(
             logits,
             target,
@@ -58,11 +58,5 @@ def vocab_parallel_cross_entropy(
             dist.get_rank(group),
         )
     return _C.vocab_parallel_cross_entropy(
-        logits,
-        target,
-        ignore_index,
-        label_smoothing,
-        reduction,
-        vocab_size,
-        tp_group_name(group),
+        logits, target, ignore_index, label_smoothing, reduction, vocab_size, group.group_name
     )
