@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <string>
 
 #include "tensor_checks.h"
@@ -114,10 +115,15 @@ constexpr int64_t kHidden = 8;
 /// `seed` (the same dense model at every tensor-parallel size).
 struct TinyImpl : torch::nn::Module {
   TinyImpl(uint64_t seed, const GroupPtr& group) {
+    // The rank threads share the default generator: seed it and draw the dense model as one
+    // step, or another rank's draws interleave and the ranks shard different models.
+    static std::mutex drawing;
+    std::unique_lock<std::mutex> lock(drawing);
     torch::manual_seed(seed);
     torch::nn::Embedding dense_tok(kVocab, kHidden);
     torch::nn::TransformerEncoderLayer dense_layer(
         torch::nn::TransformerEncoderLayerOptions(kHidden, 4).dim_feedforward(16).dropout(0.0));
+    lock.unlock();  // (sharding below talks to the other ranks)
     tok = register_module(
         "tok", tensor_parallel::VocabParallelEmbeddingImpl::from_dense(dense_tok, group));
     layer = register_module(
