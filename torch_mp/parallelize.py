@@ -51,15 +51,13 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_mp.mesh import Mesh, get_mesh
-from torch_mp.tensor_parallel.blocks import (
-    ChannelParallelBatchNorm2d,
-    LayerNorm,
-    ParallelSelfAttention,
-    ParallelTransformerLayer,
-)
+from torch_mp.tensor_parallel.attention import ParallelSelfAttention
 from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2d
+from torch_mp.tensor_parallel.conv_block import ChannelParallelBatchNorm2d
 from torch_mp.tensor_parallel.embedding import VocabParallelEmbedding
+from torch_mp.tensor_parallel.layer_norm import LayerNorm
 from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from torch_mp.tensor_parallel.transformer_layer import ParallelTransformerLayer
 
 __all__ = [
     "LLAMA_PLAN",

@@ -1,7 +1,11 @@
 // pybind11 bindings of the C++ core: torch_mp._C. Nothing but argument conversion lives here.
-// (How groups cross from Python: see python/common.h.)
+// (How groups cross from Python: see python/common.h.) The collectives and the layers' forwards
+// are PyTorch operators (torch.ops.torch_mp.*), registered by the core itself; importing this
+// module loads them.
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "python/common.h"
 #include "torch_mp/collectives.h"
@@ -16,36 +20,8 @@ void bind_pipeline(py::module_& parent);         // pipeline_bindings.cpp
 void bind_tensor_parallel(py::module_& module);  // tensor_parallel_bindings.cpp
 }  // namespace torch_mp::python
 
-namespace {
-
 using torch_mp::python::ReleaseGil;
 using torch_mp::python::resolve;
-
-// Binds a collective `op(x, group)` or `op(x, group, dim)` under `name`.
-template <typename Fn>
-void def_collective(py::module_& m, const char* name, Fn op) {
-  m.def(
-      name,
-      [op](const at::Tensor& x, const std::string& group) { return op(x, resolve(group)); },
-      py::arg("x"),
-      py::arg("group"),
-      ReleaseGil());
-}
-
-template <typename Fn>
-void def_collective_along(py::module_& m, const char* name, Fn op) {
-  m.def(
-      name,
-      [op](const at::Tensor& x, const std::string& group, int64_t dim) {
-        return op(x, resolve(group), dim);
-      },
-      py::arg("x"),
-      py::arg("group"),
-      py::arg("dim"),
-      ReleaseGil());
-}
-
-}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
@@ -91,12 +67,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("set_check_collectives", &torch_mp::set_check_collectives, py::arg("on"));
   m.def("check_collectives", &torch_mp::check_collectives);
-
-  // ---- autograd collectives ----
-  def_collective(m, "copy_to_tp", &torch_mp::copy_to_tp);
-  def_collective(m, "reduce_from_tp", &torch_mp::reduce_from_tp);
-  def_collective_along(m, "scatter_to_tp", &torch_mp::scatter_to_tp);
-  def_collective_along(m, "gather_from_tp", &torch_mp::gather_from_tp);
-  def_collective_along(m, "gather_from_sp", &torch_mp::gather_from_sp);
-  def_collective_along(m, "reduce_scatter_to_sp", &torch_mp::reduce_scatter_to_sp);
 }

@@ -1,6 +1,6 @@
 #pragma once
 // The activation kinds the MLPs take, by name, in one place: the dense modules (dense.h) and the
-// tensor-parallel ones (tensor_parallel/blocks.h) both apply them.
+// tensor-parallel ones (tensor_parallel/mlp.h) both apply them.
 
 #include <ATen/core/Tensor.h>
 

@@ -15,6 +15,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <atomic>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
 namespace torch_mp {
 
 Backend parse_backend(const std::string& name) {
@@ -120,8 +123,48 @@ GroupPtr new_process_group(const StorePtr& store,
 #endif
     }
   }
-  group->setGroupName(name);
+  static std::atomic<int64_t> groups_made{0};
+  group->setGroupName(name + "#" + std::to_string(groups_made++));
+  group_name(group);  // registers it
   return group;
+}
+
+namespace {
+
+// The live group registered under `name`, or null (none, or one that has been destroyed).
+GroupPtr registered(const std::string& name) {
+  try {
+    return c10d::resolve_process_group(name);
+  } catch (const c10::Error&) {
+    return {};
+  }
+}
+
+}  // namespace
+
+std::string group_name(const GroupPtr& group) {
+  TORCH_CHECK(group, "torch_mp: no process group was given");
+  std::string name = group->getGroupName();
+  if (name.empty()) {
+    static std::atomic<int64_t> unnamed{0};
+    name = "torch_mp/unnamed#" + std::to_string(unnamed++);
+    group->setGroupName(name);
+  }
+  const GroupPtr holder = registered(name);
+  if (holder.get() == group.get()) {
+    return name;
+  }
+  TORCH_CHECK(!holder,
+              "torch_mp: two process groups are named '",
+              name,
+              "'; the core's operators find groups by name (give each its own)");
+  c10d::unregister_process_group(name);  // a destroyed group's entry, if any
+  c10d::register_process_group(name, group);
+  return name;
+}
+
+GroupPtr group_named(std::string_view name) {
+  return c10d::resolve_process_group(std::string(name));
 }
 
 }  // namespace torch_mp

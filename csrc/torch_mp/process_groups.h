@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <string>
+#include <string_view>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -42,12 +43,24 @@ void use_local_cuda_device(int local_rank);
 ///
 /// NCCL groups carry CUDA tensors, and CPU tensors over Gloo where Gloo is built in. Raises if
 /// the backend was not compiled in (Gloo needs its headers at build time, NCCL a CUDA build of
-/// torch and nccl.h).
+/// torch and nccl.h). The group is registered in c10d's group registry (see group_name) under
+/// `name` followed by a number that makes it unique in this process.
 GroupPtr new_process_group(const StorePtr& store,
                            int rank,
                            int size,
                            Backend backend,
                            std::chrono::milliseconds timeout,
                            const std::string& name);
+
+/// The name under which `group` is registered in c10d's group registry, registering it first if
+/// it is not (an unnamed group gets a name of torch_mp's). The core's operators
+/// (torch.ops.torch_mp.*) take groups by these names, as PyTorch's functional collectives do:
+/// torch.distributed registers every group it makes, and so does new_process_group. Raises if
+/// another live group holds the name.
+std::string group_name(const GroupPtr& group);
+
+/// The registered group named `name` (the inverse of group_name); raises naming it if there is
+/// none.
+GroupPtr group_named(std::string_view name);
 
 }  // namespace torch_mp

@@ -1,7 +1,8 @@
 #pragma once
-// What the tensor-parallel layer tests share (conv_test, embedding_test, cross_entropy_test,
-// blocks_test): tolerances, helpers, and the fixtures parameterised by the world size (the
-// tensor group spans the whole world), instantiated once in blocks_test.cpp.
+// What the tensor-parallel layer tests share (linear_test, conv_test, embedding_test,
+// cross_entropy_test, attention_test, mlp_test, transformer_layer_test, conv_block_test):
+// tolerances, helpers, and the fixtures parameterised by the world size (the tensor group spans
+// the whole world), instantiated once in tensor_parallel_fixture.cpp.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -71,7 +72,7 @@ class TensorParallel : public ::testing::TestWithParam<int> {
 /// Errors need more than one rank: every size is divisible by one.
 class TensorParallelOnSeveralRanks : public TensorParallel {};
 
-/// Channels of the convolution tests (conv_test, blocks_test).
+/// Channels of the convolution tests (conv_test, conv_block_test).
 constexpr int64_t kConvIn = 3;
 constexpr int64_t kConvMid = 8;
 constexpr int64_t kConvOut = 5;

@@ -18,12 +18,21 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
 #include "torch_mp/mesh.h"
 
 namespace torch_mp::testing {
+
+// The core's operators find groups by name in c10d's registry; ranks that are threads of one
+// process each need a registry of their own, which c10d's thread-isolation mode gives (set
+// before any group is made).
+inline const bool kGroupRegistryPerThread = [] {
+  c10d::set_thread_isolation_mode(true);
+  return true;
+}();
 
 /// The message of an exception, without c10's backtrace.
 inline std::string message_of(const std::exception_ptr& error) {

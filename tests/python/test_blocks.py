@@ -302,7 +302,7 @@ def _region_dropout_streams() -> None:
     mesh = use_mesh(dist.get_world_size())
     torch_mp.random.manual_seed(3)
     ones = torch.ones(4096)
-    shard_mask = torch_mp._C.region_dropout(ones, 0.5, True)
+    shard_mask = torch_mp.random.region_dropout(ones, 0.5, True)
     replicated_mask = torch.nn.functional.dropout(ones, 0.5, True)
     masks = [torch.empty_like(ones) for _ in range(mesh.tp_size)]
     dist.all_gather(masks, shard_mask)

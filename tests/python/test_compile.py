@@ -1,13 +1,15 @@
 """torch.compile(fullgraph=True) of tensor-parallel modules: the MLP (Column -> GELU -> Row), the
-parallel transformer layer (tensor and sequence parallel), the convolutional block and channel-
-parallel convolutions (padding modes included) and the vocabulary-parallel loss trace
-into one graph (torch._dynamo.explain: no graph break) through the core's collectives registered
-as operators (torch.ops.torch_mp.*), and equal eager: outputs and gradients, rtol 1e-5 (the
-compiled graph may fuse and reorder elementwise work)."""
+parallel transformer layer (tensor and sequence parallel, causal or with a mask, with dropout in
+training), the convolutional block and channel-parallel convolutions (padding modes included)
+and the vocabulary-parallel loss trace into one graph (torch._dynamo.explain: no graph break)
+through the core's operators (torch.ops.torch_mp.*, the same ones eager code runs), and equal
+eager: outputs and gradients, rtol 1e-5 (the compiled graph may fuse and reorder elementwise
+work). The core's checks that read values (ids, targets) hold in compiled code too."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,11 +31,15 @@ def _no_graph_break(fn, *args) -> None:
     assert explanation.graph_count == 1
 
 
-def _compiled_equals_eager(module: nn.Module, loss_of, *inputs) -> None:
+def _compiled_equals_eager(module: nn.Module, loss_of, *inputs, seed: int | None = None) -> None:
+    """With ``seed``, both runs start from ``torch_mp.random.manual_seed(seed)`` (dropout)."""
     eager, compiled_module = module, copy.deepcopy(module)
     compiled = torch.compile(compiled_module, fullgraph=True, backend="aot_eager")
     grads = []
     for model in (eager, compiled):
+        model.zero_grad(set_to_none=True)
+        if seed is not None:
+            torch_mp.random.manual_seed(seed)
         xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
         out = model(*xs)
         loss_of(out).backward()
@@ -86,6 +92,70 @@ def _transformer_layer(tp: int, sequence_parallel: bool) -> None:
             return self.inner(x, is_causal=True)
 
     _compiled_equals_eager(Causal(parallel), lambda y: y.square().sum(), x)
+
+
+class _Masked(nn.Module):
+    def __init__(self, inner, mask):
+        super().__init__()
+        self.inner, self.mask = inner, mask
+
+    def forward(self, x):
+        return self.inner(x, self.mask)
+
+
+def _transformer_layer_mask_and_dropout(tp: int, sequence_parallel: bool) -> None:
+    """An attention mask ([s, s] bool and [b * heads, s, s] float), and dropout in training
+    (attention probabilities and MLP from the per-rank stream, residuals from the shared or,
+    under sequence parallelism, the per-rank one): the compiled layer draws what eager draws."""
+    use_mesh(tp)
+    torch.manual_seed(4)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.25)
+    parallel = torch_mp.ParallelTransformerLayer.from_dense(
+        layer, sequence_parallel=sequence_parallel
+    )
+    s, b = 8, 2
+    x = torch.randn(s, b, 16)
+    if sequence_parallel:
+        x = x.chunk(tp)[dist.get_rank()].contiguous()
+    boolean = torch.ones(s, s, dtype=torch.bool).triu(1)
+    per_head = torch.randn(b * 4, s, s)
+    for mask in (boolean, per_head):
+        _no_graph_break(lambda x, mask=mask: parallel(x, mask), x)
+        _compiled_equals_eager(_Masked(parallel, mask), lambda y: y.square().sum(), x, seed=5)
+    wrong = torch.zeros(s + 1, s + 1, dtype=torch.bool)
+    compiled = torch.compile(_Masked(parallel, wrong), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="attn_mask must be"):
+        compiled(x)
+
+
+def _checks_hold_compiled(tp: int) -> None:
+    """Out-of-range ids and targets raise in compiled code as in eager (the operators' kernels
+    see the values)."""
+    use_mesh(tp)
+    embedding = torch_mp.VocabParallelEmbedding(10, 8)
+    compiled = torch.compile(embedding, fullgraph=True, backend="aot_eager")
+    compiled(torch.tensor([[1, 2]]))
+    with pytest.raises(RuntimeError, match=r"ids must be in \[0, 10\)"):
+        compiled(torch.tensor([[1, 12]]))
+
+    def loss(logits, target):
+        return torch_mp.vocab_parallel_cross_entropy(logits, target, vocab_size=10)
+
+    compiled_loss = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    logits = torch.randn(3, embedding.num_embeddings_per_partition)
+    compiled_loss(logits, torch.tensor([0, 9, 4]))
+    with pytest.raises(RuntimeError, match=r"target ids must be in \[0, 10\)"):
+        compiled_loss(logits, torch.tensor([0, 10, 4]))
+
+
+def _mlp_dropout(tp: int) -> None:
+    """Dropout inside the tensor-parallel region draws from each rank's stream, compiled too."""
+    use_mesh(tp)
+    torch.manual_seed(6)
+    mlp = torch_mp.ParallelMLP(16, 32, dropout=0.5)
+    x = torch.randn(6, 16)
+    _no_graph_break(mlp, x)
+    _compiled_equals_eager(mlp, lambda y: y.square().sum(), x, seed=7)
 
 
 def _loss(tp: int) -> None:
@@ -144,3 +214,27 @@ def test_transformer_layer_compiles_whole_and_equals_eager(tp, sequence_parallel
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_parallel_loss_compiles_whole_and_equals_eager(tp):
     get_world(tp).run(_loss, tp)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_transformer_layer_with_masks_and_dropout_compiles_and_equals_eager(tp, sequence_parallel):
+    get_world(tp).run(_transformer_layer_mask_and_dropout, tp, sequence_parallel)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mlp_dropout_compiles_and_draws_what_eager_draws(tp):
+    get_world(tp).run(_mlp_dropout, tp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_checks_of_ids_and_targets_hold_in_compiled_code(tp):
+    get_world(tp).run(_checks_hold_compiled, tp)
+
+
+def test_the_package_has_one_definition_of_the_math():
+    """No traceable Python copy of the layers and no branch on torch.compile in the package."""
+    package = Path(torch_mp.__file__).parent
+    assert not (package / "ops.py").exists()
+    for source in package.rglob("*.py"):
+        assert "is_compiling" not in source.read_text(), source

@@ -1,6 +1,8 @@
 """Channel-parallel ``Conv2d`` layers.
 
-Thin ``nn.Module`` wrappers over the C++ core (csrc/torch_mp/tensor_parallel/conv.h)::
+Thin ``nn.Module`` wrappers over the C++ core (csrc/torch_mp/tensor_parallel/conv.h), whose
+forwards are the operators ``torch.ops.torch_mp.column_parallel_conv2d`` /
+``row_parallel_conv2d``::
 
     ColumnParallelConv2d   output channels split: weight [out/t, in, kh, kw], bias [out/t]
     RowParallelConv2d      input channels split:  weight [out, in/t, kh, kw], partial outputs
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.utils import _pair
 
-from torch_mp import _C, ops
+from torch_mp import _C
 from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh
 
@@ -56,7 +58,7 @@ class _ParallelConv2d(SharesGroup, nn.Module):
         )
         self.padding = padding if isinstance(padding, str) else _pair(padding)
         self.groups, self.padding_mode = groups, padding_mode
-        self._geometry = _C.Conv2dGeometry(
+        geometry = _C.Conv2dGeometry(
             in_channels,
             out_channels,
             self.kernel_size,
@@ -67,7 +69,7 @@ class _ParallelConv2d(SharesGroup, nn.Module):
             bias,
             padding_mode,
         )
-        _C.check_parallel_conv2d(self._geometry, self._SHARD_DIM, flag, self.group.group_name)
+        _C.check_parallel_conv2d(geometry, self._SHARD_DIM, flag, self.group.group_name)
         shape = [out_channels, in_channels, *self.kernel_size]
         shape[self._SHARD_DIM] //= self.tp_size
         factory = {"device": device, "dtype": dtype}
@@ -80,9 +82,17 @@ class _ParallelConv2d(SharesGroup, nn.Module):
         self.reset_parameters()
         self._register_layouts()
 
-    def _traced_geometry(self) -> tuple:
-        """(stride, padding, dilation, padding_mode) for torch_mp.ops.conv2d_as."""
-        return self.stride, self.padding, self.dilation, self.padding_mode
+    def _geometry_arguments(self) -> tuple:
+        """(stride, padding, padding_size, dilation, padding_mode) as the operators take them:
+        ``padding`` "same" or "valid", or "" for the numbers in ``padding_size``."""
+        named = isinstance(self.padding, str)
+        return (
+            self.stride,
+            self.padding if named else "",
+            (0, 0) if named else self.padding,
+            self.dilation,
+            self.padding_mode,
+        )
 
     def _register_layouts(self) -> None:
         _C.set_weight_and_bias_layout(
@@ -212,13 +222,14 @@ class ColumnParallelConv2d(_ParallelConv2d):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return ops.column_parallel_conv2d(
-                input, self.weight, self.bias, self._traced_geometry(), self.gather_output,
-                self.group.group_name,
-            )  # fmt: skip
-        return _C.column_parallel_conv2d(
-            input, self.weight, self.bias, self._geometry, self.gather_output, self.group.group_name
+        return torch.ops.torch_mp.column_parallel_conv2d(
+            input,
+            self.weight,
+            self.bias,
+            self.out_channels,
+            *self._geometry_arguments(),
+            self.gather_output,
+            self.group.group_name,
         )
 
 
@@ -279,16 +290,12 @@ class RowParallelConv2d(_ParallelConv2d):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return ops.row_parallel_conv2d(
-                input, self.weight, self.bias, self._traced_geometry(), self.input_is_parallel,
-                self.group.group_name,
-            )  # fmt: skip
-        return _C.row_parallel_conv2d(
+        return torch.ops.torch_mp.row_parallel_conv2d(
             input,
             self.weight,
             self.bias,
-            self._geometry,
+            self.in_channels,
+            *self._geometry_arguments(),
             self.input_is_parallel,
             self.group.group_name,
         )

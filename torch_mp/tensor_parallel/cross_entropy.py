@@ -1,13 +1,14 @@
 """Cross-entropy over logits split along the vocabulary (the C++ core's
-tensor_parallel/cross_entropy, fused CUDA kernels on GPU)."""
+csrc/torch_mp/tensor_parallel/cross_entropy.h, fused CUDA kernels on GPU), reached as the
+operator ``torch.ops.torch_mp.vocab_parallel_cross_entropy``."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from torch_mp import _C, ops
-from torch_mp.mesh import get_mesh
+from torch_mp import _C  # noqa: F401  (loads the operators)
+from torch_mp.mesh import tp_group_name
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -44,19 +45,6 @@ def vocab_parallel_cross_entropy(
 
     Backward may run once per forward (the saved softmax becomes the gradient in place).
     """
-    group = group if group is not None else get_mesh().tp_group
-    if torch.compiler.is_compiling():
-        return ops.vocab_parallel_cross_entropy(
-            logits,
-            target,
-            ignore_index,
-            label_smoothing,
-            reduction,
-            vocab_size,
-            group.group_name,
-            dist.get_world_size(group),
-            dist.get_rank(group),
-        )
-    return _C.vocab_parallel_cross_entropy(
-        logits, target, ignore_index, label_smoothing, reduction, vocab_size, group.group_name
+    return torch.ops.torch_mp.vocab_parallel_cross_entropy(
+        logits, target, ignore_index, label_smoothing, reduction, vocab_size, tp_group_name(group)
     )

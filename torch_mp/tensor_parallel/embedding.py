@@ -4,7 +4,8 @@ The vocabulary (rows of the embedding table, last dim of the logits) is split ac
 tensor-parallel group. A vocabulary size the group size does not divide is padded: every rank
 holds ``ceil(V / t)`` rows, the rows past ``V`` are zero, never looked up, and get no probability
 in :func:`vocab_parallel_cross_entropy`. The math is the C++ core's
-(csrc/torch_mp/tensor_parallel/embedding.h, cross_entropy.h).
+(csrc/torch_mp/tensor_parallel/embedding.h, cross_entropy.h), reached as the operator
+``torch.ops.torch_mp.vocab_parallel_embedding``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_mp import _C, ops
+from torch_mp import _C
 from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh
 from torch_mp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
@@ -83,11 +84,7 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return ops.vocab_parallel_embedding(
-                input, self.weight, self.vocab_start_index, self.padding_idx, self.group.group_name
-            )
-        return _C.vocab_parallel_embedding(
+        return torch.ops.torch_mp.vocab_parallel_embedding(
             input, self.weight, self.num_embeddings, self.padding_idx, self.group.group_name
         )
 

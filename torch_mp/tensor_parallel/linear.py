@@ -1,7 +1,9 @@
 """Column- and row-parallel ``Linear`` layers.
 
 Thin ``nn.Module`` wrappers: they own the parameter shards; checks, initialisation and the
-forward math are the C++ core's (csrc/torch_mp/tensor_parallel/linear.h)::
+forward math are the C++ core's (csrc/torch_mp/tensor_parallel/linear.h), the forwards reached
+as the operators ``torch.ops.torch_mp.column_parallel_linear`` / ``row_parallel_linear`` in eager
+code and under ``torch.compile`` alike::
 
     ColumnParallelLinear   Y_i = X A_i^T + b_i      weight [out/t, in]   (chunk tp_rank of dim 0)
     RowParallelLinear      Y = sum_i X_i A_i^T + b  weight [out, in/t]   (chunk tp_rank of dim 1)
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_mp import _C, ops
+from torch_mp import _C
 from torch_mp._group import SharesGroup
 from torch_mp.mesh import get_mesh
 
@@ -183,16 +185,7 @@ class ColumnParallelLinear(_ParallelLinear):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return ops.column_parallel_linear(
-                input,
-                self.weight,
-                self.bias,
-                self.gather_output,
-                self.sequence_parallel,
-                self._group_name,
-            )
-        return _C.column_parallel_linear(
+        return torch.ops.torch_mp.column_parallel_linear(
             input,
             self.weight,
             self.bias,
@@ -262,16 +255,7 @@ class RowParallelLinear(_ParallelLinear):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return ops.row_parallel_linear(
-                input,
-                self.weight,
-                self.bias,
-                self.input_is_parallel,
-                self.sequence_parallel,
-                self._group_name,
-            )
-        return _C.row_parallel_linear(
+        return torch.ops.torch_mp.row_parallel_linear(
             input,
             self.weight,
             self.bias,

@@ -1,6 +1,7 @@
 #include "torch_mp/tensor_parallel/conv.h"
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <array>
 #include <variant>
@@ -57,6 +58,47 @@ const char* pad_mode(const torch::nn::detail::conv_padding_mode_t& mode) {
 }
 
 }  // namespace
+
+torch::nn::Conv2dOptions conv2d_options(int64_t in_channels,
+                                        int64_t out_channels,
+                                        std::array<int64_t, 2> kernel_size,
+                                        std::array<int64_t, 2> stride,
+                                        const std::string& padding,
+                                        std::array<int64_t, 2> padding_size,
+                                        std::array<int64_t, 2> dilation,
+                                        int64_t groups,
+                                        bool bias,
+                                        const std::string& padding_mode) {
+  auto options = torch::nn::Conv2dOptions(in_channels, out_channels, kernel_size)
+                     .stride(stride)
+                     .dilation(dilation)
+                     .groups(groups)
+                     .bias(bias);
+  if (padding.empty()) {
+    options.padding(padding_size);
+  } else if (padding == "same") {
+    options.padding(torch::kSame);
+  } else {
+    TORCH_CHECK(padding == "valid",
+                "Conv2d: padding must be a pair of numbers, 'same' or 'valid', got '",
+                padding,
+                "'");
+    options.padding(torch::kValid);
+  }
+  if (padding_mode == "reflect") {
+    options.padding_mode(torch::kReflect);
+  } else if (padding_mode == "replicate") {
+    options.padding_mode(torch::kReplicate);
+  } else if (padding_mode == "circular") {
+    options.padding_mode(torch::kCircular);
+  } else {
+    TORCH_CHECK(padding_mode == "zeros",
+                "Conv2d: padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', got '",
+                padding_mode,
+                "'");
+  }
+  return options;
+}
 
 torch::nn::Conv2dOptions conv2d_options_of(const torch::nn::detail::ConvNdOptions<2>& m) {
   return torch::nn::Conv2dOptions(m.in_channels(), m.out_channels(), m.kernel_size())
@@ -266,5 +308,102 @@ torch::nn::Conv2d ParallelConv2dImpl<Options>::to_dense() const {
 
 template class ParallelConv2dImpl<ColumnParallelConv2dOptions>;
 template class ParallelConv2dImpl<RowParallelConv2dOptions>;
+
+// ---- the operators ----------------------------------------------------------------------------
+
+namespace {
+
+using Pair = c10::ArrayRef<int64_t>;
+
+// The dense layer's options: `channels` of the split dim (`shard_dim` of the weight), the
+// others from this rank's weight shard.
+torch::nn::Conv2dOptions dense_options(const at::Tensor& weight,
+                                       bool bias,
+                                       int64_t shard_dim,
+                                       int64_t channels,
+                                       Pair stride,
+                                       c10::string_view padding,
+                                       Pair padding_size,
+                                       Pair dilation,
+                                       c10::string_view padding_mode) {
+  TORCH_CHECK(weight.dim() == 4, "Conv2d: the weight must be [out, in, kh, kw]");
+  const auto pair = [](Pair p) {
+    TORCH_CHECK(p.size() == 2, "Conv2d: expected a pair of numbers, got ", p);
+    return std::array<int64_t, 2>{p[0], p[1]};
+  };
+  const int64_t out_channels = shard_dim == 0 ? channels : weight.size(0);
+  const int64_t in_channels = shard_dim == 1 ? channels : weight.size(1);
+  return conv2d_options(in_channels,
+                        out_channels,
+                        {weight.size(2), weight.size(3)},
+                        pair(stride),
+                        std::string(padding),
+                        pair(padding_size),
+                        pair(dilation),
+                        1,
+                        bias,
+                        std::string(padding_mode));
+}
+
+at::Tensor column_parallel_conv2d_op(const at::Tensor& input,
+                                     const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     int64_t out_channels,
+                                     Pair stride,
+                                     c10::string_view padding,
+                                     Pair padding_size,
+                                     Pair dilation,
+                                     c10::string_view padding_mode,
+                                     bool gather_output,
+                                     c10::string_view group) {
+  const auto dense = dense_options(weight,
+                                   bias.has_value(),
+                                   0,
+                                   out_channels,
+                                   stride,
+                                   padding,
+                                   padding_size,
+                                   dilation,
+                                   padding_mode);
+  return column_parallel_conv2d(input, weight, bias, dense, gather_output, group_named(group));
+}
+
+at::Tensor row_parallel_conv2d_op(const at::Tensor& input,
+                                  const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  int64_t in_channels,
+                                  Pair stride,
+                                  c10::string_view padding,
+                                  Pair padding_size,
+                                  Pair dilation,
+                                  c10::string_view padding_mode,
+                                  bool input_is_parallel,
+                                  c10::string_view group) {
+  const auto dense = dense_options(weight,
+                                   bias.has_value(),
+                                   1,
+                                   in_channels,
+                                   stride,
+                                   padding,
+                                   padding_size,
+                                   dilation,
+                                   padding_mode);
+  return row_parallel_conv2d(input, weight, bias, dense, input_is_parallel, group_named(group));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
+  m.def(
+      "column_parallel_conv2d(Tensor input, Tensor weight, Tensor? bias, int out_channels, "
+      "int[2] stride, str padding, int[2] padding_size, int[2] dilation, str padding_mode, "
+      "bool gather_output, str group) -> Tensor",
+      &column_parallel_conv2d_op);
+  m.def(
+      "row_parallel_conv2d(Tensor input, Tensor weight, Tensor? bias, int in_channels, "
+      "int[2] stride, str padding, int[2] padding_size, int[2] dilation, str padding_mode, "
+      "bool input_is_parallel, str group) -> Tensor",
+      &row_parallel_conv2d_op);
+}
 
 }  // namespace torch_mp::tensor_parallel

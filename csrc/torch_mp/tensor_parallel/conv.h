@@ -8,6 +8,13 @@
 // Every stride, padding (numbers, "same", "valid"), dilation and padding mode ("zeros",
 // "reflect", "replicate", "circular") of torch::nn::Conv2d with groups = 1. Padding acts on each
 // channel alone, so it commutes with splitting the channels.
+//
+// The forwards are also PyTorch operators (compositions, as the linear layers' are):
+//   torch.ops.torch_mp.column_parallel_conv2d(input, weight, bias, out_channels, stride, padding,
+//       padding_size, dilation, padding_mode, gather_output, group)
+//   torch.ops.torch_mp.row_parallel_conv2d(input, weight, bias, in_channels, stride, padding,
+//       padding_size, dilation, padding_mode, input_is_parallel, group)
+// with the geometry as conv2d_options below takes it.
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -17,8 +24,10 @@
 #include <torch/nn/options/conv.h>
 #include <torch/nn/pimpl.h>
 
+#include <array>
 #include <optional>
 #include <ostream>
+#include <string>
 
 #include "torch_mp/process_groups.h"
 
@@ -52,6 +61,20 @@ void check_parallel_conv2d(const torch::nn::Conv2dOptions& dense,
                            int64_t shard_dim,
                            bool flag,
                            const GroupPtr& group);
+
+/// Conv2dOptions from torch.nn.Conv2d's arguments as Python spells them: `padding` "same",
+/// "valid", or empty for the numbers `padding_size`; `padding_mode` "zeros", "reflect",
+/// "replicate" or "circular". Raises on other names.
+torch::nn::Conv2dOptions conv2d_options(int64_t in_channels,
+                                        int64_t out_channels,
+                                        std::array<int64_t, 2> kernel_size,
+                                        std::array<int64_t, 2> stride,
+                                        const std::string& padding,
+                                        std::array<int64_t, 2> padding_size,
+                                        std::array<int64_t, 2> dilation,
+                                        int64_t groups,
+                                        bool bias,
+                                        const std::string& padding_mode);
 
 /// The options of a torch::nn::Conv2d module (its `options` member) as Conv2dOptions.
 torch::nn::Conv2dOptions conv2d_options_of(const torch::nn::detail::ConvNdOptions<2>& module);

@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
 
 #include <limits>
 #include <sstream>
@@ -108,9 +110,124 @@ void raise_on_every_rank(const std::string& problem, const at::Tensor& agreed) {
   }
 }
 
+// Why `target` cannot be taken ("" if it can): ids outside [0, vocab_size) other than
+// ignore_index. It reads the ids' values, so it runs inside the forward operator's kernel.
+std::string target_problem(const at::Tensor& target, int64_t ignore_index, int64_t vocab_size) {
+  const auto valid = target.ne(ignore_index);
+  if (!valid.any().item<bool>()) {
+    return "";
+  }
+  const auto [lowest, highest] = at::aminmax(target.masked_select(valid));
+  if (lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < vocab_size) {
+    return "";
+  }
+  std::ostringstream problem;
+  problem << "vocab_parallel_cross_entropy: target ids must be in [0, " << vocab_size
+          << ") or ignore_index (" << ignore_index << "), got ids in [" << lowest.item<int64_t>()
+          << ", " << highest.item<int64_t>() << "]";
+  return problem.str();
+}
+
+// ---- the operators of the two passes ----------------------------------------------------------
+// vocab_parallel_cross_entropy_forward(logits [N, V_local], target [N], ...) returns the per-row
+// losses [N] (0 for ignored rows, in the accumulate type), exp(z - max) [N, V_local], the sum of
+// exp per row [N] and each row's target column on this rank (-1 elsewhere) [N]. `problem` is
+// this rank's reason to reject its arguments ("" if none); problems are raised on every rank.
+// vocab_parallel_cross_entropy_backward_ turns the exp buffer into the gradient in place.
+
+using Forward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Forward forward_kernel(const at::Tensor& logits,
+                       const at::Tensor& target,
+                       int64_t ignore_index,
+                       double smoothing,
+                       int64_t vocab_size,
+                       int64_t reduction,
+                       c10::string_view given_problem,
+                       c10::string_view group_name) {
+  const GroupPtr group = group_named(group_name);
+  const auto acc = logits.options().dtype(accumulate_type(logits));
+  const int64_t rows = logits.size(0);
+  const VocabRange range = vocab_range(vocab_size, group);
+  const std::string problem = given_problem.empty()
+                                  ? target_problem(target, ignore_index, vocab_size)
+                                  : std::string(given_problem);
+
+  // The row max over the real entries of every shard, with the agreement check riding along.
+  auto row_max = problem.empty() && range.real > 0
+                     ? logits.narrow(1, 0, range.real).amax(1).to(acc.dtype())
+                     : at::full({rows}, -std::numeric_limits<double>::infinity(), acc);
+  const double flag = problem.empty() ? 0.0 : 1.0;
+  const auto settings = at::tensor({flag,
+                                    static_cast<double>(vocab_size),
+                                    -static_cast<double>(vocab_size),
+                                    static_cast<double>(ignore_index),
+                                    -static_cast<double>(ignore_index),
+                                    smoothing,
+                                    -smoothing,
+                                    static_cast<double>(reduction),
+                                    -static_cast<double>(reduction)},
+                                   at::TensorOptions().dtype(at::kDouble))
+                            .to(acc);
+  const auto reduced = comm::all_reduce(at::cat({row_max, settings}), group, c10d::ReduceOp::MAX);
+  raise_on_every_rank(problem, reduced.narrow(0, rows, settings.numel()));
+  row_max = reduced.narrow(0, 0, rows);
+
+  const auto ignored = target.eq(ignore_index);
+  const auto here = target.ge(range.start)
+                        .logical_and_(target.lt(range.start + range.real))
+                        .logical_and_(ignored.logical_not());
+  const auto target_local = (target - range.start).masked_fill_(here.logical_not(), -1);
+  auto [exp_logits, stats] = forward_pass(logits, row_max, target_local, range.real);
+  stats = comm::all_reduce(stats.to(acc.dtype()), group);
+  const auto sum_exp = stats.select(1, 0);
+  const auto log_sum_exp = sum_exp.log();
+  auto loss = log_sum_exp - stats.select(1, 1);
+  if (smoothing > 0) {
+    const auto mean_neg_log_p = log_sum_exp - stats.select(1, 2) / static_cast<double>(vocab_size);
+    loss = loss * (1.0 - smoothing) + mean_neg_log_p * smoothing;
+  }
+  loss.masked_fill_(ignored, 0);
+  return {loss, exp_logits, sum_exp.contiguous(), target_local};
+}
+
+Forward forward_meta(const at::Tensor& logits,
+                     const at::Tensor& target,
+                     int64_t,
+                     double,
+                     int64_t,
+                     int64_t,
+                     c10::string_view,
+                     c10::string_view) {
+  const auto acc = logits.options().dtype(accumulate_type(logits));
+  const auto rows = logits.sym_size(0);
+  return {at::empty_symint({rows}, acc),
+          at::empty_like(logits, at::MemoryFormat::Contiguous),
+          at::empty_symint({rows}, acc),
+          at::empty_like(target, target.options().dtype(at::kLong))};
+}
+
+void backward_kernel_(at::Tensor& exp_logits,
+                      const at::Tensor& sum_exp,
+                      const at::Tensor& target_local,
+                      const at::Tensor& row_scale,
+                      double smoothing,
+                      int64_t vocab_size,
+                      int64_t real_columns) {
+  backward_pass_(
+      exp_logits, sum_exp, target_local, row_scale, smoothing, vocab_size, real_columns);
+}
+
+void backward_meta_(at::Tensor&,
+                    const at::Tensor&,
+                    const at::Tensor&,
+                    const at::Tensor&,
+                    double,
+                    int64_t,
+                    int64_t) {}
+
+// The loss as an autograd function over the two operators. Returns the per-row losses [N].
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
-  // logits [N, V_local]; target [N]. Returns the per-row losses [N] (0 for ignored rows) in the
-  // accumulate type. `problem` is this rank's reason to reject the input ("" if none).
   static at::Tensor forward(AutogradContext* ctx,
                             const at::Tensor& logits,
                             const at::Tensor& target,
@@ -120,51 +237,22 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                             int64_t vocab_size,
                             int64_t reduction,
                             const std::string& problem) {
-    const auto acc = logits.options().dtype(accumulate_type(logits));
-    const int64_t rows = logits.size(0);
-    const VocabRange range = vocab_range(vocab_size, group);
-
-    // The row max over the real entries of every shard, with the agreement check riding along.
-    auto row_max = problem.empty() && range.real > 0
-                       ? logits.narrow(1, 0, range.real).amax(1).to(acc.dtype())
-                       : at::full({rows}, -std::numeric_limits<double>::infinity(), acc);
-    const double flag = problem.empty() ? 0.0 : 1.0;
-    const auto settings = at::tensor({flag,
-                                      static_cast<double>(vocab_size),
-                                      -static_cast<double>(vocab_size),
-                                      static_cast<double>(ignore_index),
-                                      -static_cast<double>(ignore_index),
-                                      smoothing,
-                                      -smoothing,
-                                      static_cast<double>(reduction),
-                                      -static_cast<double>(reduction)},
-                                     at::TensorOptions().dtype(at::kDouble))
-                              .to(acc);
-    const auto reduced = comm::all_reduce(at::cat({row_max, settings}), group, c10d::ReduceOp::MAX);
-    raise_on_every_rank(problem, reduced.narrow(0, rows, settings.numel()));
-    row_max = reduced.narrow(0, 0, rows);
-
-    const auto ignored = target.eq(ignore_index);
-    const auto here = target.ge(range.start)
-                          .logical_and_(target.lt(range.start + range.real))
-                          .logical_and_(ignored.logical_not());
-    const auto target_local = (target - range.start).masked_fill_(here.logical_not(), -1);
-    auto [exp_logits, stats] = forward_pass(logits, row_max, target_local, range.real);
-    stats = comm::all_reduce(stats.to(acc.dtype()), group);
-    const auto sum_exp = stats.select(1, 0);
-    const auto log_sum_exp = sum_exp.log();
-    auto loss = log_sum_exp - stats.select(1, 1);
-    if (smoothing > 0) {
-      const auto mean_neg_log_p =
-          log_sum_exp - stats.select(1, 2) / static_cast<double>(vocab_size);
-      loss = loss * (1.0 - smoothing) + mean_neg_log_p * smoothing;
-    }
-    loss.masked_fill_(ignored, 0);
-
-    ctx->save_for_backward({exp_logits, sum_exp, target_local, ignored});
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("torch_mp::vocab_parallel_cross_entropy_forward", "")
+                               .typed<Forward(const at::Tensor&,
+                                              const at::Tensor&,
+                                              int64_t,
+                                              double,
+                                              int64_t,
+                                              int64_t,
+                                              c10::string_view,
+                                              c10::string_view)>();
+    auto [loss, exp_logits, sum_exp, target_local] = op.call(
+        logits, target, ignore_index, smoothing, vocab_size, reduction, problem, group_name(group));
+    ctx->save_for_backward({exp_logits, sum_exp, target_local, target.eq(ignore_index)});
     ctx->saved_data["smoothing"] = smoothing;
     ctx->saved_data["vocab_size"] = vocab_size;
-    ctx->saved_data["real"] = range.real;
+    ctx->saved_data["real"] = vocab_range(vocab_size, group).real;
     return loss;
   }
 
@@ -176,17 +264,27 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                 "saved softmax becomes the gradient); recompute the loss instead of "
                 "retain_graph=True");
     ctx->saved_data["done"] = true;
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torch_mp::vocab_parallel_cross_entropy_backward_", "")
+            .typed<void(at::Tensor&,
+                        const at::Tensor&,
+                        const at::Tensor&,
+                        const at::Tensor&,
+                        double,
+                        int64_t,
+                        int64_t)>();
     const auto saved = ctx->get_saved_variables();
     auto exp_logits = saved[0];
     const auto acc = accumulate_type(exp_logits);
     const auto row_scale = grads[0].to(acc).masked_fill(saved[3], 0).contiguous();
-    backward_pass_(exp_logits,
-                   saved[1],
-                   saved[2],
-                   row_scale,
-                   ctx->saved_data["smoothing"].toDouble(),
-                   ctx->saved_data["vocab_size"].toInt(),
-                   ctx->saved_data["real"].toInt());
+    op.call(exp_logits,
+            saved[1],
+            saved[2],
+            row_scale,
+            ctx->saved_data["smoothing"].toDouble(),
+            ctx->saved_data["vocab_size"].toInt(),
+            ctx->saved_data["real"].toInt());
     return {exp_logits,
             at::Tensor(),
             at::Tensor(),
@@ -226,12 +324,12 @@ at::Tensor cross_entropy(const at::Tensor& logits,
   TORCH_CHECK(logits.dim() >= 1 && at::isFloatingType(logits.scalar_type()),
               "vocab_parallel_cross_entropy: logits must be a floating-point tensor [..., V/t]");
   comm::check_replicated(target, group, "vocab_parallel_cross_entropy: the targets");
-  TORCH_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
+  TORCH_CHECK(target.sym_sizes() == logits.sym_sizes().slice(0, logits.dim() - 1),
               "vocab_parallel_cross_entropy: target must have the logits' shape without the last "
               "(vocabulary) dim: logits ",
-              logits.sizes(),
+              logits.sym_sizes(),
               ", target ",
-              target.sizes());
+              target.sym_sizes());
   TORCH_CHECK(!at::isFloatingType(target.scalar_type()),
               "vocab_parallel_cross_entropy: target must hold class ids (an integer tensor); "
               "probability targets are not supported");
@@ -257,14 +355,7 @@ at::Tensor cross_entropy(const at::Tensor& logits,
     problem << "vocab_parallel_cross_entropy: a logit shard of " << local
             << " entries does not fit a vocabulary of " << vocab << " split over "
             << group->getSize() << " ranks (" << range.rows << " per rank, padded)";
-  } else if (valid.any().item<bool>()) {
-    const auto [lowest, highest] = at::aminmax(flat_target.masked_select(valid));
-    if (lowest.item<int64_t>() < 0 || highest.item<int64_t>() >= vocab) {
-      problem << "vocab_parallel_cross_entropy: target ids must be in [0, " << vocab
-              << ") or ignore_index (" << ignore_index << "), got ids in ["
-              << lowest.item<int64_t>() << ", " << highest.item<int64_t>() << "]";
-    }
-  }
+  }  // (the targets' values are checked by the forward operator's kernel)
   const auto kind = reduction.value_or(at::Reduction::Mean);
   const auto losses = VocabParallelCrossEntropy::apply(logits.reshape({-1, local}).contiguous(),
                                                        flat_target,
@@ -278,7 +369,7 @@ at::Tensor cross_entropy(const at::Tensor& logits,
   // overflow); only the result takes the logits' type.
   switch (kind) {
     case at::Reduction::None:
-      return losses.view(target.sizes()).to(logits.scalar_type());
+      return losses.view_symint(target.sym_sizes()).to(logits.scalar_type());
     case at::Reduction::Sum:
       return losses.sum().to(logits.scalar_type());
     default:
@@ -322,6 +413,51 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
                        parse_reduction(reduction),
                        reduction,
                        vocab_size);
+}
+
+namespace {
+
+at::Tensor vocab_parallel_cross_entropy_op(const at::Tensor& logits,
+                                           const at::Tensor& target,
+                                           int64_t ignore_index,
+                                           double label_smoothing,
+                                           c10::string_view reduction,
+                                           std::optional<int64_t> vocab_size,
+                                           c10::string_view group) {
+  return vocab_parallel_cross_entropy(logits,
+                                      target,
+                                      group_named(group),
+                                      ignore_index,
+                                      label_smoothing,
+                                      std::string(reduction),
+                                      vocab_size);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
+  m.def(
+      "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int ignore_index, "
+      "float label_smoothing, str reduction, int? vocab_size, str group) -> Tensor",
+      &vocab_parallel_cross_entropy_op);
+  m.def(
+      "vocab_parallel_cross_entropy_forward(Tensor logits, Tensor target, int ignore_index, "
+      "float label_smoothing, int vocab_size, int reduction, str problem, str group) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "vocab_parallel_cross_entropy_backward_(Tensor(a!) exp_logits, Tensor sum_exp, "
+      "Tensor target_local, Tensor row_scale, float label_smoothing, int vocab_size, "
+      "int real_columns) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(torch_mp, CompositeExplicitAutograd, m) {
+  m.impl("vocab_parallel_cross_entropy_forward", &forward_kernel);
+  m.impl("vocab_parallel_cross_entropy_backward_", &backward_kernel_);
+}
+
+TORCH_LIBRARY_IMPL(torch_mp, Meta, m) {
+  m.impl("vocab_parallel_cross_entropy_forward", &forward_meta);
+  m.impl("vocab_parallel_cross_entropy_backward_", &backward_meta_);
 }
 
 }  // namespace torch_mp::tensor_parallel

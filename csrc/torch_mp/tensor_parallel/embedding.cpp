@@ -1,6 +1,8 @@
 #include "torch_mp/tensor_parallel/embedding.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 #include <algorithm>
 
@@ -25,7 +27,55 @@ std::optional<int64_t> normalised_padding_idx(std::optional<int64_t> padding_idx
   return *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
 }
 
+// The operator vocab_local_ids: each id less `start` where this rank holds it ([start, start +
+// real)), -1 where another rank does. Its kernel sees the ids' values (under torch.compile too,
+// where the layer around it is traced) and raises unless all are in [0, num_embeddings).
+at::Tensor vocab_local_ids(const at::Tensor& ids,
+                           int64_t start,
+                           int64_t real,
+                           int64_t num_embeddings) {
+  if (ids.numel() > 0) {
+    const auto [lowest, highest] = at::aminmax(ids);
+    TORCH_CHECK(lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < num_embeddings,
+                "VocabParallelEmbedding: ids must be in [0, ",
+                num_embeddings,
+                "), got ids in [",
+                lowest.item<int64_t>(),
+                ", ",
+                highest.item<int64_t>(),
+                "]");
+  }
+  const auto elsewhere = ids.lt(start).logical_or_(ids.ge(start + real));
+  return (ids - start).masked_fill_(elsewhere, -1);
+}
+
+at::Tensor vocab_local_ids_meta(const at::Tensor& ids, int64_t, int64_t, int64_t) {
+  return at::empty_like(ids);
+}
+
+at::Tensor vocab_parallel_embedding_op(const at::Tensor& input,
+                                       const at::Tensor& weight,
+                                       int64_t num_embeddings,
+                                       std::optional<int64_t> padding_idx,
+                                       c10::string_view group) {
+  return vocab_parallel_embedding(input, weight, num_embeddings, padding_idx, group_named(group));
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
+  m.def(
+      "vocab_parallel_embedding(Tensor input, Tensor weight, int num_embeddings, "
+      "int? padding_idx, str group) -> Tensor",
+      &vocab_parallel_embedding_op);
+  m.def("vocab_local_ids(Tensor ids, int start, int real, int num_embeddings) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(torch_mp, CompositeExplicitAutograd, m) {
+  m.impl("vocab_local_ids", &vocab_local_ids);
+}
+
+TORCH_LIBRARY_IMPL(torch_mp, Meta, m) { m.impl("vocab_local_ids", &vocab_local_ids_meta); }
 
 VocabRange vocab_range(int64_t vocab_size, int64_t rank, int64_t size) {
   TORCH_CHECK(vocab_size > 0 && size > 0 && rank >= 0 && rank < size,
@@ -65,30 +115,23 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& input,
   TORCH_CHECK(!at::isFloatingType(input.scalar_type()) && !input.is_complex(),
               "VocabParallelEmbedding: expected integer ids, got ",
               input.scalar_type());
-  if (input.numel() > 0) {
-    const auto [lowest, highest] = at::aminmax(input);
-    TORCH_CHECK(lowest.item<int64_t>() >= 0 && highest.item<int64_t>() < num_embeddings,
-                "VocabParallelEmbedding: ids must be in [0, ",
-                num_embeddings,
-                "), got ids in [",
-                lowest.item<int64_t>(),
-                ", ",
-                highest.item<int64_t>(),
-                "]");
-  }
   padding_idx = normalised_padding_idx(padding_idx, num_embeddings);
   int64_t local_padding_idx = -1;
   if (padding_idx && *padding_idx >= range.start && *padding_idx < range.start + range.real) {
     local_padding_idx = *padding_idx - range.start;
   }
+  // Ids of other ranks (-1 here) look up row 0 and are then zeroed (their gradient with them).
+  static const auto local_ids_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torch_mp::vocab_local_ids", "")
+          .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, int64_t)>();
+  const auto local_ids = local_ids_op.call(input, range.start, range.real, num_embeddings);
   if (group->getSize() == 1) {
-    return at::embedding(weight, input, local_padding_idx);
+    return at::embedding(weight, local_ids, local_padding_idx);
   }
-  // Ids of other ranks look up row 0 and are then zeroed (their gradient with them).
-  const auto elsewhere = input.lt(range.start).logical_or_(input.ge(range.start + range.real));
-  const auto local_ids = (input - range.start).masked_fill_(elsewhere, 0);
-  const auto partial =
-      at::embedding(weight, local_ids, local_padding_idx).masked_fill(elsewhere.unsqueeze(-1), 0);
+  const auto elsewhere = local_ids.lt(0);
+  const auto partial = at::embedding(weight, local_ids.clamp_min(0), local_padding_idx)
+                           .masked_fill(elsewhere.unsqueeze(-1), 0);
   return reduce_from_tp(partial, group);
 }
 

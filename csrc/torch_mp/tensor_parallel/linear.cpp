@@ -1,6 +1,7 @@
 #include "torch_mp/tensor_parallel/linear.h"
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/layout.h"
@@ -224,5 +225,44 @@ torch::nn::Linear ParallelLinearImpl<Options>::to_dense() const {
 
 template class ParallelLinearImpl<ColumnParallelLinearOptions>;
 template class ParallelLinearImpl<RowParallelLinearOptions>;
+
+// ---- the operators (compositions of the collectives' operators and ATen's) ------------------
+
+namespace {
+
+at::Tensor column_parallel_linear_op(const at::Tensor& input,
+                                     const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     int64_t out_features,
+                                     bool gather_output,
+                                     bool sequence_parallel,
+                                     c10::string_view group) {
+  return column_parallel_linear(
+      input, weight, bias, out_features, gather_output, sequence_parallel, group_named(group));
+}
+
+at::Tensor row_parallel_linear_op(const at::Tensor& input,
+                                  const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  int64_t in_features,
+                                  bool input_is_parallel,
+                                  bool sequence_parallel,
+                                  c10::string_view group) {
+  return row_parallel_linear(
+      input, weight, bias, in_features, input_is_parallel, sequence_parallel, group_named(group));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
+  m.def(
+      "column_parallel_linear(Tensor input, Tensor weight, Tensor? bias, int out_features, "
+      "bool gather_output, bool sequence_parallel, str group) -> Tensor",
+      &column_parallel_linear_op);
+  m.def(
+      "row_parallel_linear(Tensor input, Tensor weight, Tensor? bias, int in_features, "
+      "bool input_is_parallel, bool sequence_parallel, str group) -> Tensor",
+      &row_parallel_linear_op);
+}
 
 }  // namespace torch_mp::tensor_parallel

@@ -5,7 +5,9 @@
 //   RowParallelLinear      Y = sum_i X_i A_i^T + b  weight [out, in/t]: columns of the dense weight
 //
 // A column layer followed by a row layer (an MLP) needs one all-reduce forward and one backward.
-// The Python modules in torch_mp.tensor_parallel call the same functions.
+// The two forwards are also PyTorch operators, torch.ops.torch_mp.column_parallel_linear and
+// row_parallel_linear (their arguments as below, the group by name): compositions of ATen's and
+// the collectives' operators, which is what the Python modules call, eager and compiled alike.
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>

@@ -1,7 +1,12 @@
 #include "torch_mp/tensor_parallel/random.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <optional>
 
 namespace torch_mp::tensor_parallel {
 namespace {
@@ -91,6 +96,59 @@ void model_parallel_manual_seed(uint64_t seed, const GroupPtr& group, c10::Devic
     generator.set_current_seed(seed);
   }
   rng_tracker().add(kModelParallelRng, seed + 2718 + group->getRank(), device);
+}
+
+// ---- dropout in tensor-parallel regions ------------------------------------------------------
+
+namespace {
+
+// The scaled keep-mask of dropout with probability p, drawn as at::dropout draws it on the CPU
+// (bernoulli(1 - p) into a tensor like x, divided by 1 - p), from the per-rank stream.
+at::Tensor region_dropout_noise(const at::Tensor& x, double p) {
+  std::optional<RngTracker::Fork> fork;
+  if (rng_tracker().has(kModelParallelRng, x.device())) {
+    fork.emplace(rng_tracker(), kModelParallelRng, x.device());
+  }
+  auto noise = at::empty_like(x);
+  noise.bernoulli_(1 - p);
+  return noise.div_(1 - p);
+}
+
+at::Tensor region_dropout_noise_meta(const at::Tensor& x, double) { return at::empty_like(x); }
+
+}  // namespace
+
+at::Tensor region_dropout(const at::Tensor& x, double p, bool training) {
+  TORCH_CHECK(p >= 0 && p <= 1, "dropout probability has to be between 0 and 1, but got ", p);
+  if (!training || p == 0.0) {
+    return x;
+  }
+  if (p == 1.0) {
+    return x * at::zeros({}, x.options());
+  }
+  static const auto noise = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("torch_mp::region_dropout_noise", "")
+                                .typed<at::Tensor(const at::Tensor&, double)>();
+  return x * noise.call(x, p);
+}
+
+TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
+  m.def("region_dropout(Tensor x, float p, bool training) -> Tensor", &region_dropout);
+  // Its kernel draws random numbers: torch.compile must neither recompute nor reorder it.
+  m.def("region_dropout_noise(Tensor x, float p) -> Tensor", {at::Tag::nondeterministic_seeded});
+}
+
+TORCH_LIBRARY_IMPL(torch_mp, CompositeExplicitAutograd, m) {
+  m.impl("region_dropout_noise", &region_dropout_noise);
+}
+
+TORCH_LIBRARY_IMPL(torch_mp, Meta, m) {
+  m.impl("region_dropout_noise", &region_dropout_noise_meta);
+}
+
+// The mask depends on x's shape only: nothing to differentiate.
+TORCH_LIBRARY_IMPL(torch_mp, Autograd, m) {
+  m.impl("region_dropout_noise", torch::CppFunction::makeFallthrough());
 }
 
 }  // namespace torch_mp::tensor_parallel

@@ -1,5 +1,5 @@
 #pragma once
-// Random-number streams for tensor-parallel regions (DESIGN.md §3, "RNG tracker").
+// Random-number streams for tensor-parallel regions (docs/design.md §3.3, "RNG tracker").
 //
 // Dropout outside a tensor-parallel region acts on tensors every rank holds whole, so it must
 // draw the same numbers on every rank: the default generator, seeded alike. Dropout inside a
@@ -65,6 +65,14 @@ class RngTracker {
 
 /// The process-wide tracker.
 RngTracker& rng_tracker();
+
+/// Dropout on a tensor that differs between the ranks (a shard of a tensor-parallel region, or
+/// rows under sequence parallelism): drawn from the tracker's kModelParallelRng stream when it is
+/// set up on x's device (model_parallel_manual_seed), else from the default generator. On the CPU
+/// it draws what at::dropout draws. Also the operator torch.ops.torch_mp.region_dropout(x, p,
+/// training): its mask comes from the operator region_dropout_noise, whose kernel runs at run
+/// time under torch.compile too, so compiled code draws from the same stream as eager code.
+at::Tensor region_dropout(const at::Tensor& x, double p, bool training);
 
 /// Seeds `device`'s default generator with `seed` (the same stream on every rank) and the
 /// tracker's kModelParallelRng stream with seed + 2718 + the rank in `group` (a stream per rank).

@@ -23,6 +23,11 @@ at::Tensor shard(const at::Tensor& full, int64_t dim, int64_t index, int64_t par
 /// This rank's shard of `full` along `dim` for `group`.
 at::Tensor shard(const at::Tensor& full, int64_t dim, const GroupPtr& group);
 
+/// `t`, or nullopt when it is undefined (how modules hand an absent bias to the functions).
+inline std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
 /// `group`, or the default mesh's tensor-parallel group when `group` is null.
 GroupPtr tp_group_or_default(const GroupPtr& group);
 

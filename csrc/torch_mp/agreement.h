@@ -1,0 +1,63 @@
+#pragma once
+// Checks that the ranks of a group agree: on a configuration, on a text, on a replicated tensor.
+//
+// A bad value on one rank must raise on every rank: a check that failed on one rank alone would
+// leave the others waiting in their next collective. Each check therefore exchanges what it
+// compares first (one small all-gather) and raises on every rank, naming what each rank holds.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "torch_mp/process_groups.h"
+
+namespace torch_mp {
+
+/// Turns the collective checks on or off (default: on when the environment variable
+/// TORCH_MP_CHECK_COLLECTIVES is 1). When on, every all-reduce, all-gather and reduce-scatter
+/// first compares the ranks' dtypes and shapes, and the tensor-parallel entry points that take a
+/// replicated tensor (copy_to_tp, the ids of VocabParallelEmbedding, the targets of
+/// vocab_parallel_cross_entropy) compare its values: a rank with another shape, dtype or batch
+/// raises on every rank, naming each rank's tensor, instead of aborting the process inside Gloo or
+/// returning numbers computed from mismatched data. Costs one small all-gather per collective
+/// (and a pass over replicated inputs).
+void set_check_collectives(bool on);
+/// Whether the collective checks are on.
+bool check_collectives();
+
+namespace comm {
+
+/// A double as the int64 of its bits, for comparing settings with check_same_across_ranks.
+int64_t bits(double value);
+
+/// Raises on every rank, naming the ranks that disagree, unless `values` is the same on all
+/// ranks of the group. `what` names the values in the message.
+void check_same_across_ranks(const std::vector<int64_t>& values,
+                             const GroupPtr& group,
+                             const std::string& what);
+
+/// Raises on every rank, quoting each rank's `text`, unless `text` is the same on all ranks of
+/// the group (compared in full through a digest; quoted up to 200 characters).
+void check_same_text_across_ranks(const std::string& text,
+                                  const GroupPtr& group,
+                                  const std::string& what);
+
+/// With the collective checks on (check_collectives), raises on every rank unless `x` is the
+/// same on every rank of the group (dtype, shape and values); `what` names it. A tensor without
+/// values (torch.compile traces with fake tensors) is not compared.
+void check_replicated(const at::Tensor& x, const GroupPtr& group, const std::string& what);
+
+/// Raises on every rank unless `tensors` have the same count, dtypes and shapes on all ranks of
+/// the group (one fixed-size exchange: the count and a digest of the rest).
+void check_same_tensors_across_ranks(const std::vector<at::Tensor>& tensors,
+                                     const GroupPtr& group,
+                                     const std::string& what);
+
+/// With the collective checks on, raises on every rank unless the ranks' `x` have the same dtype
+/// and shape (before collective `op` on them).
+void check_operands(const at::Tensor& x, const GroupPtr& group, const char* op);
+
+}  // namespace comm
+}  // namespace torch_mp

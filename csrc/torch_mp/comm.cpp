@@ -1,0 +1,188 @@
+#include "torch_mp/comm.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/WrapDimMinimal.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "torch_mp/agreement.h"
+
+namespace torch_mp::comm {
+namespace {
+
+void check_group(const GroupPtr& group) {
+  TORCH_CHECK(group, "torch_mp: a collective was given no process group");
+}
+
+int64_t chunk_size(const at::Tensor& x, int64_t dim, const GroupPtr& group, const char* op) {
+  const int64_t size = x.size(dim);
+  TORCH_CHECK(size % group->getSize() == 0,
+              "torch_mp.",
+              op,
+              ": size ",
+              size,
+              " of dim ",
+              dim,
+              " is not divisible by the group size (",
+              group->getSize(),
+              ") on rank ",
+              group->getRank());
+  return size / group->getSize();
+}
+
+// Waits for a collective, turning Gloo's words for a dead or silent peer into ones that say so.
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const GroupPtr& group, const char* op) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    const std::string text = error ? error->what_without_backtrace() : e.what();
+    const bool closed = text.find("onnection closed") != std::string::npos ||
+                        text.find("closed by peer") != std::string::npos ||
+                        text.find("onnection reset") != std::string::npos ||
+                        text.find("Broken pipe") != std::string::npos;
+    const bool timed_out = text.find("imed out") != std::string::npos;
+    if (!closed && !timed_out) {
+      throw;
+    }
+    TORCH_CHECK(false,
+                "torch_mp: ",
+                op,
+                " over a group of ",
+                group->getSize(),
+                " ranks (this is rank ",
+                group->getRank(),
+                ") ",
+                closed ? "lost a peer's connection: did a peer's process die?"
+                       : "got no answer within the group's timeout: a peer stalled, is slow, or "
+                         "failed",
+                " (",
+                text,
+                ")");
+  }
+}
+
+}  // namespace
+
+at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group, c10d::ReduceOp op) {
+  check_group(group);
+  check_operands(x, group, "all_reduce");
+  std::vector<at::Tensor> tensors{x.clone(at::MemoryFormat::Contiguous)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = std::move(op);
+  wait_for(group->allreduce(tensors, options), group, "all_reduce");
+  return tensors[0];
+}
+
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  check_group(group);
+  check_operands(x, group, "all_gather");
+  dim = c10::maybe_wrap_dim(dim, x.dim());
+  std::vector<at::Tensor> inputs{x.contiguous()};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int i = 0; i < group->getSize(); ++i) {
+    outputs[0].push_back(at::empty_like(inputs[0]));
+  }
+  wait_for(group->allgather(outputs, inputs), group, "all_gather");
+  return at::cat(outputs[0], dim);
+}
+
+at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  check_group(group);
+  check_operands(x, group, "reduce_scatter");
+  dim = c10::maybe_wrap_dim(dim, x.dim());
+  chunk_size(x, dim, group, "reduce_scatter");
+  std::vector<std::vector<at::Tensor>> inputs(1);
+  for (const auto& chunk : x.chunk(group->getSize(), dim)) {
+    inputs[0].push_back(chunk.contiguous());
+  }
+  std::vector<at::Tensor> outputs{at::empty_like(inputs[0][0])};
+  wait_for(group->reduce_scatter(outputs, inputs), group, "reduce_scatter");
+  return outputs[0];
+}
+
+at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  check_group(group);
+  dim = c10::maybe_wrap_dim(dim, x.dim());
+  const int64_t chunk = chunk_size(x, dim, group, "split");
+  return x.narrow(dim, group->getRank() * chunk, chunk).clone(at::MemoryFormat::Contiguous);
+}
+
+// ---- the operators ----------------------------------------------------------------------------
+
+namespace {
+
+c10d::ReduceOp reduce_op(c10::string_view name) {
+  if (name == "sum") {
+    return c10d::ReduceOp::SUM;
+  }
+  TORCH_CHECK(name == "max", "torch_mp::all_reduce: reduce_op must be 'sum' or 'max', got ", name);
+  return c10d::ReduceOp::MAX;
+}
+
+at::Tensor all_reduce_op(const at::Tensor& x, c10::string_view op, c10::string_view group) {
+  return all_reduce(x, group_named(group), reduce_op(op));
+}
+
+at::Tensor all_gather_op(const at::Tensor& x, int64_t dim, c10::string_view group) {
+  return all_gather(x, dim, group_named(group));
+}
+
+at::Tensor reduce_scatter_op(const at::Tensor& x, int64_t dim, c10::string_view group) {
+  return reduce_scatter(x, dim, group_named(group));
+}
+
+at::Tensor split_op(const at::Tensor& x, int64_t dim, c10::string_view group) {
+  return split(x, dim, group_named(group));
+}
+
+// `x`'s shape with dim `dim` multiplied (`grow`) or divided by the group's size, in symbolic
+// sizes (torch.compile's dynamic shapes); the real kernels check divisibility.
+at::Tensor resized_like(const at::Tensor& x, int64_t dim, c10::string_view group, bool grow) {
+  const int64_t size = group_named(group)->getSize();
+  auto sizes = x.sym_sizes().vec();
+  dim = c10::maybe_wrap_dim(dim, x.dim());
+  sizes[dim] = grow ? sizes[dim] * size : sizes[dim] / size;
+  return at::empty_symint(sizes, x.options());
+}
+
+at::Tensor all_reduce_meta(const at::Tensor& x, c10::string_view op, c10::string_view) {
+  reduce_op(op);
+  return at::empty_like(x, at::MemoryFormat::Contiguous);
+}
+
+at::Tensor all_gather_meta(const at::Tensor& x, int64_t dim, c10::string_view group) {
+  return resized_like(x, dim, group, /*grow=*/true);
+}
+
+at::Tensor chunk_meta(const at::Tensor& x, int64_t dim, c10::string_view group) {
+  return resized_like(x, dim, group, /*grow=*/false);
+}
+
+}  // namespace
+
+// The library torch_mp: this file defines it; every other file of the core adds its operators
+// with TORCH_LIBRARY_FRAGMENT.
+TORCH_LIBRARY(torch_mp, m) {
+  m.def("all_reduce(Tensor x, str reduce_op, str group) -> Tensor");
+  m.def("all_gather(Tensor x, int dim, str group) -> Tensor");
+  m.def("reduce_scatter(Tensor x, int dim, str group) -> Tensor");
+  m.def("split(Tensor x, int dim, str group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(torch_mp, CompositeExplicitAutograd, m) {
+  m.impl("all_reduce", &all_reduce_op);
+  m.impl("all_gather", &all_gather_op);
+  m.impl("reduce_scatter", &reduce_scatter_op);
+  m.impl("split", &split_op);
+}
+
+TORCH_LIBRARY_IMPL(torch_mp, Meta, m) {
+  m.impl("all_reduce", &all_reduce_meta);
+  m.impl("all_gather", &all_gather_meta);
+  m.impl("reduce_scatter", &chunk_meta);
+  m.impl("split", &chunk_meta);
+}
+
+}  // namespace torch_mp::comm

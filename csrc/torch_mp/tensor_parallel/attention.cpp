@@ -1,0 +1,328 @@
+#include "torch_mp/tensor_parallel/attention.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "torch_mp/collectives.h"
+#include "torch_mp/layout.h"
+#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/tensor_parallel/sharding.h"
+
+namespace torch_mp::tensor_parallel {
+namespace {
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+// softmax(q k^T / sqrt(d) + mask) v with region_dropout on the probabilities: the stream of
+// this rank's heads, under torch.compile too (a fused kernel would draw from its own).
+at::Tensor attention_with_dropout(const at::Tensor& q,
+                                  const at::Tensor& k,
+                                  const at::Tensor& v,
+                                  const std::optional<at::Tensor>& mask,
+                                  bool causal,
+                                  double dropout_p) {
+  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  if (mask) {
+    scores = scores + *mask;
+  } else if (causal) {
+    const auto s = q.sym_size(-2);
+    const auto above = at::ones_symint({s, s}, q.options().dtype(at::kBool)).triu(1);
+    scores = scores.masked_fill(above, -kInfinity);
+  }
+  return at::matmul(region_dropout(at::softmax(scores, -1), dropout_p, true), v);
+}
+
+}  // namespace
+
+at::Tensor attention_heads(const at::Tensor& qkv,
+                           int64_t num_heads,
+                           const GroupPtr& group,
+                           const std::optional<at::Tensor>& attn_mask,
+                           bool is_causal,
+                           double dropout_p) {
+  const int64_t heads_local = num_heads / group->getSize();
+  TORCH_CHECK(qkv.dim() == 3 && heads_local > 0 && qkv.size(2) % (3 * heads_local) == 0,
+              "attention_heads: qkv must be [s, b, 3 * heads * head_dim], got ",
+              qkv.sym_sizes(),
+              " for ",
+              heads_local,
+              " heads");
+  const c10::SymInt s = qkv.sym_size(0);
+  const c10::SymInt b = qkv.sym_size(1);
+  const int64_t width = qkv.size(2) / 3;
+  const int64_t head_dim = width / heads_local;
+  // [s, b, heads * d] -> [b, heads, s, d], the layout torch::nn::MultiheadAttention uses.
+  auto heads = [&](const at::Tensor& t) {
+    return t.reshape_symint({s, b, heads_local, head_dim}).permute({1, 2, 0, 3});
+  };
+  const auto parts = qkv.chunk(3, -1);
+  std::optional<at::Tensor> mask;
+  if (attn_mask && attn_mask->defined()) {
+    mask = *attn_mask;
+    // The same shape test on every rank (a rank-dependent one would leave the others waiting).
+    const bool per_head = mask->dim() == 3 && mask->sym_size(0) == b * num_heads &&
+                          mask->sym_size(1) == s && mask->sym_size(2) == s;
+    TORCH_CHECK(per_head || (mask->dim() == 2 && mask->sym_size(0) == s && mask->sym_size(1) == s),
+                "attention_heads: attn_mask must be [s, s] or [batch * num_heads, s, s] = [",
+                b * num_heads,
+                ", ",
+                s,
+                ", ",
+                s,
+                "], got ",
+                mask->sym_sizes());
+    if (per_head) {  // this rank's heads only
+      mask = mask->reshape_symint({b, num_heads, s, s})
+                 .narrow(1, group->getRank() * heads_local, heads_local);
+    }
+    if (mask->scalar_type() == at::kBool) {  // true = may not attend, as in MultiheadAttention
+      mask = at::zeros_symint(mask->sym_sizes(), qkv.options()).masked_fill(*mask, -kInfinity);
+    }
+  }
+  const bool causal = is_causal && !mask;
+  const auto q = heads(parts[0]);
+  const auto k = heads(parts[1]);
+  const auto v = heads(parts[2]);
+  const auto context = dropout_p > 0
+                           ? attention_with_dropout(q, k, v, mask, causal, dropout_p)
+                           : at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal);
+  return context.permute({2, 0, 1, 3}).reshape_symint({s, b, width});
+}
+
+void check_parallel_self_attention(int64_t hidden_size,
+                                   int64_t num_heads,
+                                   bool bias,
+                                   double dropout,
+                                   bool sequence_parallel,
+                                   const GroupPtr& group) {
+  // Agreement first: a check that fails on one rank only would leave the others waiting.
+  comm::check_same_across_ranks(
+      {hidden_size, num_heads, bias, comm::bits(dropout), sequence_parallel},
+      group,
+      "ParallelSelfAttention configuration [hidden_size, num_heads, bias, dropout (bits), "
+      "sequence_parallel]");
+  check_non_negative(hidden_size, "ParallelSelfAttention: hidden_size");
+  TORCH_CHECK(num_heads > 0 && hidden_size % num_heads == 0,
+              "ParallelSelfAttention: hidden_size (",
+              hidden_size,
+              ") must be divisible by num_heads (",
+              num_heads,
+              ")");
+  divide(num_heads, group->getSize(), "ParallelSelfAttention: num_heads");
+}
+
+void load_dense_qkv_(at::Tensor& weight,
+                     std::optional<at::Tensor> bias,
+                     const at::Tensor& dense_weight,
+                     const std::optional<at::Tensor>& dense_bias,
+                     const GroupPtr& group) {
+  at::NoGradGuard no_grad;
+  const int64_t h = dense_weight.size(0) / 3;
+  // Q, K and V each give up their rows [r * h / t, (r + 1) * h / t).
+  weight.copy_(shard(dense_weight.view({3, h, -1}), 1, group).view_as(weight));
+  if (bias && bias->defined()) {
+    TORCH_CHECK(dense_bias && dense_bias->defined(), "torch_mp: the dense attention has no bias");
+    bias->copy_(shard(dense_bias->view({3, h}), 1, group).view_as(*bias));
+  }
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_qkv(
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias, const GroupPtr& group) {
+  const int64_t local = weight.size(0) / 3;
+  auto dense_weight = unshard(weight.view({3, local, -1}), 1, group).view({-1, weight.size(1)});
+  std::optional<at::Tensor> dense_bias;
+  if (bias && bias->defined()) {
+    dense_bias = unshard(bias->view({3, local}), 1, group).view({-1});
+  }
+  return {dense_weight, dense_bias};
+}
+
+at::Tensor parallel_self_attention(const at::Tensor& x,
+                                   const AttentionParameters& p,
+                                   const ParallelSelfAttentionOptions& o,
+                                   const std::optional<at::Tensor>& attn_mask,
+                                   bool is_causal,
+                                   bool training) {
+  const auto& group = o.group();
+  TORCH_CHECK(group, "parallel_self_attention: options.group() is not set");
+  const auto qkv = column_parallel_linear(
+      x, p.qkv_weight, p.qkv_bias, 3 * o.hidden_size(), false, o.sequence_parallel(), group);
+  const auto context = attention_heads(
+      qkv, o.num_heads(), group, attn_mask, is_causal, training ? o.dropout() : 0.0);
+  return row_parallel_linear(
+      context, p.proj_weight, p.proj_bias, o.hidden_size(), true, o.sequence_parallel(), group);
+}
+
+// ---- ParallelSelfAttention --------------------------------------------------------------------
+
+ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(ParallelSelfAttentionOptions options_,
+                                                     bool initialise)
+    : options(std::move(options_)), initialise_(initialise) {
+  reset();
+}
+
+void ParallelSelfAttentionImpl::reset() {
+  options.group(tp_group_or_default(options.group()));
+  const auto& o = options;
+  check_parallel_self_attention(
+      o.hidden_size(), o.num_heads(), o.bias(), o.dropout(), o.sequence_parallel(), o.group());
+  qkv = register_module("qkv",
+                        ColumnParallelLinearImpl::uninitialised(
+                            ColumnParallelLinearOptions(o.hidden_size(), 3 * o.hidden_size())
+                                .bias(o.bias())
+                                .sequence_parallel(o.sequence_parallel())
+                                .group(o.group())));
+  proj = register_module("proj",
+                         RowParallelLinearImpl::uninitialised(
+                             RowParallelLinearOptions(o.hidden_size(), o.hidden_size())
+                                 .bias(o.bias())
+                                 .sequence_parallel(o.sequence_parallel())
+                                 .group(o.group())));
+  register_layouts();
+  if (initialise_) {
+    reset_parameters();
+  }
+}
+
+void ParallelSelfAttentionImpl::reset_parameters() {
+  load_dense(torch::nn::MultiheadAttention(
+      torch::nn::MultiheadAttentionOptions(options.hidden_size(), options.num_heads())
+          .bias(options.bias())));
+}
+
+void ParallelSelfAttentionImpl::load_dense(const torch::nn::MultiheadAttention& dense) {
+  load_dense_qkv_(qkv->weight,
+                  optional_tensor(qkv->bias),
+                  dense->in_proj_weight,
+                  optional_tensor(dense->in_proj_bias),
+                  options.group());
+  load_dense_linear_(proj->weight,
+                     optional_tensor(proj->bias),
+                     dense->out_proj->weight,
+                     optional_tensor(dense->out_proj->bias),
+                     1,
+                     options.group());
+}
+
+AttentionParameters ParallelSelfAttentionImpl::weights() const {
+  return {qkv->weight, optional_tensor(qkv->bias), proj->weight, optional_tensor(proj->bias)};
+}
+
+at::Tensor ParallelSelfAttentionImpl::forward(const at::Tensor& x,
+                                              const at::Tensor& attn_mask,
+                                              bool is_causal) {
+  return parallel_self_attention(
+      x, weights(), options, optional_tensor(attn_mask), is_causal, is_training());
+}
+
+void ParallelSelfAttentionImpl::register_layouts() {
+  for (const auto& p : qkv->parameters()) {  // this rank's rows of Q, of K and of V
+    set_layout(p, ParameterLayout{0, options.group(), false, /*parts=*/3});
+  }
+}
+
+std::shared_ptr<torch::nn::Module> ParallelSelfAttentionImpl::clone(
+    const std::optional<torch::Device>& device) const {
+  auto copy = Cloneable::clone(device);
+  std::dynamic_pointer_cast<ParallelSelfAttentionImpl>(copy)->register_layouts();
+  return copy;
+}
+
+const DenseNames& ParallelSelfAttentionImpl::dense_names() {
+  static const DenseNames names{{"qkv.", "in_proj_"}, {"proj.", "out_proj."}};
+  return names;
+}
+
+ParallelSelfAttention ParallelSelfAttentionImpl::uninitialised(
+    ParallelSelfAttentionOptions options) {
+  return ParallelSelfAttention(std::shared_ptr<ParallelSelfAttentionImpl>(
+      new ParallelSelfAttentionImpl(std::move(options), /*initialise=*/false)));
+}
+
+ParallelSelfAttention ParallelSelfAttentionImpl::from_dense(
+    const torch::nn::MultiheadAttention& dense, ParallelSelfAttentionOptions options) {
+  const auto& d = dense->options;
+  TORCH_CHECK(d.kdim() == d.embed_dim() && d.vdim() == d.embed_dim() && !d.add_bias_kv() &&
+                  !d.add_zero_attn(),
+              "ParallelSelfAttention.from_dense: kdim/vdim, add_bias_kv and add_zero_attn are "
+              "not supported");
+  options.hidden_size(d.embed_dim()).num_heads(d.num_heads()).bias(d.bias()).dropout(d.dropout());
+  auto layer = uninitialised(std::move(options));
+  layer->to(dense->in_proj_weight.device(), dense->in_proj_weight.scalar_type());
+  layer->load_dense(dense);
+  return layer;
+}
+
+torch::nn::MultiheadAttention ParallelSelfAttentionImpl::to_dense() const {
+  const auto [in_weight, in_bias] =
+      gather_dense_qkv(qkv->weight, optional_tensor(qkv->bias), options.group());
+  const auto [out_weight, out_bias] =
+      gather_dense_linear(proj->weight, optional_tensor(proj->bias), 1, options.group());
+  const KeepDefaultRng keep_rng;  // the dense module's own initialisation is overwritten
+  torch::nn::MultiheadAttention dense(
+      torch::nn::MultiheadAttentionOptions(options.hidden_size(), options.num_heads())
+          .bias(options.bias())
+          .dropout(options.dropout()));
+  dense->to(in_weight.device(), in_weight.scalar_type());
+  at::NoGradGuard no_grad;
+  dense->in_proj_weight.copy_(in_weight);
+  dense->out_proj->weight.copy_(out_weight);
+  if (in_bias) {
+    dense->in_proj_bias.copy_(*in_bias);
+    dense->out_proj->bias.copy_(*out_bias);
+  }
+  return dense;
+}
+
+// ---- the operators ----------------------------------------------------------------------------
+
+namespace {
+
+at::Tensor attention_heads_op(const at::Tensor& qkv,
+                              int64_t num_heads,
+                              const std::optional<at::Tensor>& attn_mask,
+                              bool is_causal,
+                              double dropout_p,
+                              c10::string_view group) {
+  return attention_heads(qkv, num_heads, group_named(group), attn_mask, is_causal, dropout_p);
+}
+
+at::Tensor parallel_self_attention_op(const at::Tensor& x,
+                                      const at::Tensor& qkv_weight,
+                                      const std::optional<at::Tensor>& qkv_bias,
+                                      const at::Tensor& proj_weight,
+                                      const std::optional<at::Tensor>& proj_bias,
+                                      const std::optional<at::Tensor>& attn_mask,
+                                      bool is_causal,
+                                      int64_t num_heads,
+                                      double dropout,
+                                      bool sequence_parallel,
+                                      bool training,
+                                      c10::string_view group) {
+  const auto options = ParallelSelfAttentionOptions(qkv_weight.size(1), num_heads)
+                           .bias(qkv_bias.has_value())
+                           .dropout(dropout)
+                           .sequence_parallel(sequence_parallel)
+                           .group(group_named(group));
+  return parallel_self_attention(
+      x, {qkv_weight, qkv_bias, proj_weight, proj_bias}, options, attn_mask, is_causal, training);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
+  m.def(
+      "attention_heads(Tensor qkv, int num_heads, Tensor? attn_mask, bool is_causal, "
+      "float dropout_p, str group) -> Tensor",
+      &attention_heads_op);
+  m.def(
+      "parallel_self_attention(Tensor x, Tensor qkv_weight, Tensor? qkv_bias, "
+      "Tensor proj_weight, Tensor? proj_bias, Tensor? attn_mask, bool is_causal, int num_heads, "
+      "float dropout, bool sequence_parallel, bool training, str group) -> Tensor",
+      &parallel_self_attention_op);
+}
+
+}  // namespace torch_mp::tensor_parallel

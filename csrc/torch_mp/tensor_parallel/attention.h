@@ -1,0 +1,145 @@
+#pragma once
+// Self-attention with the heads split across the tensor-parallel group: a column-parallel QKV
+// projection, attention over this rank's heads, a row-parallel output projection. Equals
+// torch::nn::MultiheadAttention applied as self-attention given the same weights.
+//
+// Layout: [s, b, h] (sequence first); under sequence parallelism each rank holds [s / t, b, h]
+// of the input and output. Rank r holds heads [r * n / t, (r + 1) * n / t), i.e. the matching
+// rows of each of Q, K and V.
+//
+// The forward is also the PyTorch operator torch.ops.torch_mp.parallel_self_attention (its
+// arguments as the ParallelSelfAttentionOptions and parameters below), and attention over the
+// local heads torch.ops.torch_mp.attention_heads: compositions, what the Python module calls.
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "torch_mp/process_groups.h"
+#include "torch_mp/tensor_parallel/linear.h"
+
+namespace torch_mp::tensor_parallel {
+
+/// (prefix of a module's own parameter names, prefix of its dense counterpart's) pairs.
+using DenseNames = std::vector<std::pair<std::string, std::string>>;
+
+/// Scaled dot-product attention over this rank's heads: of `num_heads` in all, rank r of `group`
+/// holds heads [r * n / t, (r + 1) * n / t). `qkv` [s, b, 3 * h_local] holds this rank's Q, K and
+/// V columns one after the other; returns [s, b, h_local]. `attn_mask` follows
+/// torch::nn::MultiheadAttention: [s, s] or [b * num_heads, s, s] (every head's; this rank uses
+/// its own), bool (true = may not attend) or float (added). `is_causal` without a mask applies
+/// the causal mask. Dropout on the attention probabilities (`dropout_p` > 0) draws from the
+/// per-rank stream (region_dropout), computing the softmax explicitly; without it the fused
+/// scaled_dot_product_attention runs.
+at::Tensor attention_heads(const at::Tensor& qkv,
+                           int64_t num_heads,
+                           const GroupPtr& group,
+                           const std::optional<at::Tensor>& attn_mask,
+                           bool is_causal,
+                           double dropout_p);
+
+/// Checks a self-attention's configuration: num_heads divides hidden_size, the group size
+/// divides num_heads, and the same configuration on every rank (floats by their bits).
+void check_parallel_self_attention(int64_t hidden_size,
+                                   int64_t num_heads,
+                                   bool bias,
+                                   double dropout,
+                                   bool sequence_parallel,
+                                   const GroupPtr& group);
+
+/// Copies this rank's heads of a dense [3h, h] in-projection (Q; K; V stacked, as in
+/// torch::nn::MultiheadAttention) into `weight` [3h/t, h] (and of the [3h] bias into `bias`).
+void load_dense_qkv_(at::Tensor& weight,
+                     std::optional<at::Tensor> bias,
+                     const at::Tensor& dense_weight,
+                     const std::optional<at::Tensor>& dense_bias,
+                     const GroupPtr& group);
+
+/// The dense in-projection the ranks' QKV shards make up (a collective).
+std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_qkv(
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias, const GroupPtr& group);
+
+/// Options of ParallelSelfAttention.
+struct ParallelSelfAttentionOptions {
+  ParallelSelfAttentionOptions(int64_t hidden_size, int64_t num_heads)
+      : hidden_size_(hidden_size), num_heads_(num_heads) {}
+  TORCH_ARG(int64_t, hidden_size);
+  /// Attention heads in all; the group size must divide it.
+  TORCH_ARG(int64_t, num_heads);
+  TORCH_ARG(bool, bias) = true;
+  /// Dropout on the attention probabilities (in training).
+  TORCH_ARG(double, dropout) = 0.0;
+  /// Input and output split along the sequence dim (0).
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(GroupPtr, group) = {};
+};
+
+/// This rank's parameters of a self-attention: the QKV projection's [3h/t, h] weight (and
+/// [3h/t] bias) and the output projection's [h, h/t] weight (and whole [h] bias).
+struct AttentionParameters {
+  at::Tensor qkv_weight;
+  std::optional<at::Tensor> qkv_bias;
+  at::Tensor proj_weight;
+  std::optional<at::Tensor> proj_bias;
+};
+
+/// The forward of ParallelSelfAttention: `x` [s, b, h] ([s / t, b, h] under sequence
+/// parallelism); the mask as in attention_heads; dropout only when `training`. `options.group()`
+/// must be set.
+at::Tensor parallel_self_attention(const at::Tensor& x,
+                                   const AttentionParameters& parameters,
+                                   const ParallelSelfAttentionOptions& options,
+                                   const std::optional<at::Tensor>& attn_mask,
+                                   bool is_causal,
+                                   bool training);
+
+class ParallelSelfAttention;
+
+/// Multi-head self-attention with the heads split across the group (see the top of this file).
+class ParallelSelfAttentionImpl : public torch::nn::Cloneable<ParallelSelfAttentionImpl> {
+ public:
+  ParallelSelfAttentionImpl(int64_t hidden_size, int64_t num_heads)
+      : ParallelSelfAttentionImpl(ParallelSelfAttentionOptions(hidden_size, num_heads)) {}
+  explicit ParallelSelfAttentionImpl(ParallelSelfAttentionOptions options)
+      : ParallelSelfAttentionImpl(std::move(options), /*initialise=*/true) {}
+  void reset() override;
+  /// Draws this rank's heads of a torch::nn::MultiheadAttention initialised as LibTorch does.
+  void reset_parameters();
+  /// `x` [s, b, h] ([s / t, b, h] under sequence parallelism).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& attn_mask = {}, bool is_causal = false);
+  /// The parameters as parallel_self_attention takes them.
+  AttentionParameters weights() const;
+  /// Shards `dense` (embed_dim and num_heads from it; no kdim/vdim, bias_k/v or zero attention).
+  static ParallelSelfAttention from_dense(const torch::nn::MultiheadAttention& dense,
+                                          ParallelSelfAttentionOptions options);
+  /// Allocated, not initialised (for modules that fill it).
+  static ParallelSelfAttention uninitialised(ParallelSelfAttentionOptions options);
+  /// Copies this rank's heads of `dense` into the parameters.
+  void load_dense(const torch::nn::MultiheadAttention& dense);
+  /// The dense module (a collective).
+  torch::nn::MultiheadAttention to_dense() const;
+  /// Parameter names in the dense module, by prefix (torch_mp::checkpoint).
+  static const DenseNames& dense_names();
+  /// A deep copy, its layouts recorded (Cloneable's copy replaces the children's tensors).
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<torch::Device>& device = std::nullopt) const override;
+
+  ParallelSelfAttentionOptions options;
+  ColumnParallelLinear qkv = nullptr;
+  RowParallelLinear proj = nullptr;
+
+ private:
+  ParallelSelfAttentionImpl(ParallelSelfAttentionOptions options, bool initialise);
+  void register_layouts();
+  bool initialise_ = true;
+};
+TORCH_MODULE(ParallelSelfAttention);
+
+}  // namespace torch_mp::tensor_parallel

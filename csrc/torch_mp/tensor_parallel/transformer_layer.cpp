@@ -1,0 +1,238 @@
+#include "torch_mp/tensor_parallel/transformer_layer.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <variant>
+
+#include "torch_mp/collectives.h"
+#include "torch_mp/layout.h"
+#include "torch_mp/tensor_parallel/layer_norm.h"
+#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/tensor_parallel/sharding.h"
+
+namespace torch_mp::tensor_parallel {
+namespace {
+
+std::string activation_name(const torch::nn::activation_t& a) {
+  if (std::holds_alternative<torch::enumtype::kReLU>(a)) {
+    return "relu";
+  }
+  TORCH_CHECK(std::holds_alternative<torch::enumtype::kGELU>(a),
+              "ParallelTransformerLayer.from_dense: only relu and gelu activations are supported");
+  return "gelu";
+}
+
+}  // namespace
+
+void check_parallel_transformer_layer(bool norm_first,
+                                      double layer_norm_eps,
+                                      const GroupPtr& group) {
+  comm::check_same_across_ranks(
+      {norm_first, comm::bits(layer_norm_eps)},
+      group,
+      "ParallelTransformerLayer configuration [norm_first, layer_norm_eps (bits)]");
+}
+
+ParallelSelfAttentionOptions attention_options(const ParallelTransformerLayerOptions& o) {
+  return ParallelSelfAttentionOptions(o.hidden_size(), o.num_heads())
+      .bias(o.bias())
+      .dropout(o.dropout())
+      .sequence_parallel(o.sequence_parallel())
+      .group(o.group());
+}
+
+ParallelMLPOptions mlp_options(const ParallelTransformerLayerOptions& o) {
+  return ParallelMLPOptions(o.hidden_size(), o.ffn_hidden_size())
+      .bias(o.bias())
+      .activation(o.activation())
+      .dropout(o.dropout())
+      .sequence_parallel(o.sequence_parallel())
+      .group(o.group());
+}
+
+at::Tensor parallel_transformer_layer(const at::Tensor& x,
+                                      const TransformerLayerParameters& p,
+                                      const ParallelTransformerLayerOptions& o,
+                                      const std::optional<at::Tensor>& attn_mask,
+                                      bool is_causal,
+                                      bool training) {
+  TORCH_CHECK(o.group(), "parallel_transformer_layer: options.group() is not set");
+  const auto norm = [&](const at::Tensor& t,
+                        const std::optional<at::Tensor>& weight,
+                        const std::optional<at::Tensor>& bias) {
+    return layer_norm(t, weight, bias, o.layer_norm_eps(), o.sequence_parallel(), o.group());
+  };
+  // Whole tensors (the same on every rank) draw from the shared stream; sequence-parallel rows
+  // differ between ranks and draw from the per-rank one.
+  const auto dropout = [&](const at::Tensor& t) {
+    return o.sequence_parallel() ? region_dropout(t, o.dropout(), training)
+                                 : at::dropout(t, o.dropout(), training);
+  };
+  const auto attention_options_ = attention_options(o);
+  const auto attention = [&](const at::Tensor& t) {
+    return parallel_self_attention(
+        t, p.attention, attention_options_, attn_mask, is_causal, training);
+  };
+  const auto mlp_options_ = mlp_options(o);
+  const auto mlp = [&](const at::Tensor& t) {
+    return parallel_mlp(t, p.mlp, mlp_options_, training);
+  };
+  if (o.norm_first()) {
+    const auto y = x + dropout(attention(norm(x, p.norm1_weight, p.norm1_bias)));
+    return y + dropout(mlp(norm(y, p.norm2_weight, p.norm2_bias)));
+  }
+  const auto y = norm(x + dropout(attention(x)), p.norm1_weight, p.norm1_bias);
+  return norm(y + dropout(mlp(y)), p.norm2_weight, p.norm2_bias);
+}
+
+// ---- ParallelTransformerLayer -----------------------------------------------------------------
+
+ParallelTransformerLayerImpl::ParallelTransformerLayerImpl(ParallelTransformerLayerOptions options_,
+                                                           bool initialise)
+    : options(std::move(options_)), initialise_(initialise) {
+  reset();
+}
+
+void ParallelTransformerLayerImpl::reset() {
+  options.group(tp_group_or_default(options.group()));
+  const auto& o = options;
+  // What the attention and MLP do not check themselves.
+  check_parallel_transformer_layer(o.norm_first(), o.layer_norm_eps(), o.group());
+  const auto norm_options = torch::nn::LayerNormOptions({o.hidden_size()}).eps(o.layer_norm_eps());
+  norm1 = register_module("norm1", torch::nn::LayerNorm(norm_options));
+  self_attn = register_module("self_attn",
+                              ParallelSelfAttentionImpl::uninitialised(attention_options(o)));
+  norm2 = register_module("norm2", torch::nn::LayerNorm(norm_options));
+  mlp = register_module("mlp", ParallelMLPImpl::uninitialised(mlp_options(o)));
+  for (const auto& p : norm1->parameters()) {
+    set_replicated(p, o.group());
+  }
+  for (const auto& p : norm2->parameters()) {
+    set_replicated(p, o.group());
+  }
+  if (initialise_) {
+    reset_parameters();
+  }
+}
+
+void ParallelTransformerLayerImpl::reset_parameters() {
+  const auto& o = options;
+  load_dense(torch::nn::TransformerEncoderLayer(
+      torch::nn::TransformerEncoderLayerOptions(o.hidden_size(), o.num_heads())
+          .dim_feedforward(o.ffn_hidden_size())));
+}
+
+const DenseNames& ParallelTransformerLayerImpl::dense_names() {
+  static const DenseNames names{{"self_attn.qkv.", "self_attn.in_proj_"},
+                                {"self_attn.proj.", "self_attn.out_proj."},
+                                {"mlp.fc1.", "linear1."},
+                                {"mlp.fc2.", "linear2."}};
+  return names;
+}
+
+void ParallelTransformerLayerImpl::load_dense(const torch::nn::TransformerEncoderLayer& dense) {
+  self_attn->load_dense(dense->self_attn);
+  mlp->load_dense(dense->linear1, dense->linear2);
+  at::NoGradGuard no_grad;
+  norm1->weight.copy_(dense->norm1->weight);
+  norm1->bias.copy_(dense->norm1->bias);
+  norm2->weight.copy_(dense->norm2->weight);
+  norm2->bias.copy_(dense->norm2->bias);
+}
+
+TransformerLayerParameters ParallelTransformerLayerImpl::weights() const {
+  return {optional_tensor(norm1->weight),
+          optional_tensor(norm1->bias),
+          self_attn->weights(),
+          optional_tensor(norm2->weight),
+          optional_tensor(norm2->bias),
+          mlp->weights()};
+}
+
+at::Tensor ParallelTransformerLayerImpl::forward(const at::Tensor& x,
+                                                 const at::Tensor& attn_mask,
+                                                 bool is_causal) {
+  return parallel_transformer_layer(
+      x, weights(), options, optional_tensor(attn_mask), is_causal, is_training());
+}
+
+ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
+    const torch::nn::TransformerEncoderLayer& dense, GroupPtr group, bool sequence_parallel) {
+  const auto& d = dense->options;
+  auto options = ParallelTransformerLayerOptions(d.d_model(), d.nhead(), d.dim_feedforward())
+                     .dropout(d.dropout())
+                     .activation(activation_name(d.activation()))
+                     .layer_norm_eps(dense->norm1->options.eps())
+                     .sequence_parallel(sequence_parallel)
+                     .group(std::move(group));
+  auto layer = ParallelTransformerLayer(std::shared_ptr<ParallelTransformerLayerImpl>(
+      new ParallelTransformerLayerImpl(std::move(options), /*initialise=*/false)));
+  layer->to(dense->linear1->weight.device(), dense->linear1->weight.scalar_type());
+  layer->load_dense(dense);
+  return layer;
+}
+
+// ---- the operator -----------------------------------------------------------------------------
+
+namespace {
+
+using Optional = const std::optional<at::Tensor>&;
+
+at::Tensor parallel_transformer_layer_op(const at::Tensor& x,
+                                         Optional norm1_weight,
+                                         Optional norm1_bias,
+                                         const at::Tensor& qkv_weight,
+                                         Optional qkv_bias,
+                                         const at::Tensor& proj_weight,
+                                         Optional proj_bias,
+                                         Optional norm2_weight,
+                                         Optional norm2_bias,
+                                         const at::Tensor& fc1_weight,
+                                         Optional fc1_bias,
+                                         const at::Tensor& fc2_weight,
+                                         Optional fc2_bias,
+                                         Optional attn_mask,
+                                         bool is_causal,
+                                         int64_t num_heads,
+                                         c10::string_view activation,
+                                         double dropout,
+                                         double layer_norm_eps,
+                                         bool norm_first,
+                                         bool sequence_parallel,
+                                         bool training,
+                                         c10::string_view group_name) {
+  const auto group = group_named(group_name);
+  const auto options = ParallelTransformerLayerOptions(
+                           qkv_weight.size(1), num_heads, fc1_weight.size(0) * group->getSize())
+                           .dropout(dropout)
+                           .activation(std::string(activation))
+                           .layer_norm_eps(layer_norm_eps)
+                           .norm_first(norm_first)
+                           .bias(qkv_bias.has_value())
+                           .sequence_parallel(sequence_parallel)
+                           .group(group);
+  const TransformerLayerParameters parameters{
+      norm1_weight,
+      norm1_bias,
+      {qkv_weight, qkv_bias, proj_weight, proj_bias},
+      norm2_weight,
+      norm2_bias,
+      {fc1_weight, fc1_bias, fc2_weight, fc2_bias}};
+  return parallel_transformer_layer(x, parameters, options, attn_mask, is_causal, training);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
+  m.def(
+      "parallel_transformer_layer(Tensor x, Tensor? norm1_weight, Tensor? norm1_bias, "
+      "Tensor qkv_weight, Tensor? qkv_bias, Tensor proj_weight, Tensor? proj_bias, "
+      "Tensor? norm2_weight, Tensor? norm2_bias, Tensor fc1_weight, Tensor? fc1_bias, "
+      "Tensor fc2_weight, Tensor? fc2_bias, Tensor? attn_mask, bool is_causal, int num_heads, "
+      "str activation, float dropout, float layer_norm_eps, bool norm_first, "
+      "bool sequence_parallel, bool training, str group) -> Tensor",
+      &parallel_transformer_layer_op);
+}
+
+}  // namespace torch_mp::tensor_parallel

@@ -1,0 +1,114 @@
+#pragma once
+// A transformer encoder layer with tensor-parallel attention and MLP: the same layer as
+// torch::nn::TransformerEncoderLayer (post-LN norm2(y + mlp(y)) with y = norm1(x + attn(x)), or
+// pre-LN x + attn(norm1(x)) then + mlp(norm2(.)) with norm_first), given the same weights.
+// Under sequence parallelism the LayerNorms, dropouts and residuals act on each rank's s / t
+// rows, the replicated LayerNorm parameters getting the dense gradients (layer_norm.h).
+//
+// The forward (the residual order, the norms, which dropout draws from which stream) is defined
+// here once: the C++ module calls parallel_transformer_layer, the Python module the PyTorch
+// operator torch.ops.torch_mp.parallel_transformer_layer, a composition of the same.
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/modules/transformerlayer.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+#include <string>
+
+#include "torch_mp/process_groups.h"
+#include "torch_mp/tensor_parallel/attention.h"
+#include "torch_mp/tensor_parallel/mlp.h"
+
+namespace torch_mp::tensor_parallel {
+
+/// What a transformer layer checks beyond its attention's and MLP's checks (the same norm_first
+/// and layer_norm_eps on every rank).
+void check_parallel_transformer_layer(bool norm_first,
+                                      double layer_norm_eps,
+                                      const GroupPtr& group);
+
+/// Options of ParallelTransformerLayer (defaults as torch::nn::TransformerEncoderLayer's).
+struct ParallelTransformerLayerOptions {
+  ParallelTransformerLayerOptions(int64_t hidden_size, int64_t num_heads, int64_t ffn_hidden_size)
+      : hidden_size_(hidden_size), num_heads_(num_heads), ffn_hidden_size_(ffn_hidden_size) {}
+  TORCH_ARG(int64_t, hidden_size);
+  TORCH_ARG(int64_t, num_heads);
+  TORCH_ARG(int64_t, ffn_hidden_size);
+  TORCH_ARG(double, dropout) = 0.1;
+  /// "relu" or "gelu".
+  TORCH_ARG(std::string, activation) = "relu";
+  TORCH_ARG(double, layer_norm_eps) = 1e-5;
+  /// Pre-LN (x + f(norm(x))) instead of post-LN (norm(x + f(x))).
+  TORCH_ARG(bool, norm_first) = false;
+  /// Biases of the projections (LibTorch's LayerNorm has no bias switch: its bias stays).
+  TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(GroupPtr, group) = {};
+};
+
+/// This rank's parameters of a transformer layer (the norms' replicated, whole).
+struct TransformerLayerParameters {
+  std::optional<at::Tensor> norm1_weight;
+  std::optional<at::Tensor> norm1_bias;
+  AttentionParameters attention;
+  std::optional<at::Tensor> norm2_weight;
+  std::optional<at::Tensor> norm2_bias;
+  MLPParameters mlp;
+};
+
+/// The attention and MLP options a layer with `options` builds its blocks with.
+ParallelSelfAttentionOptions attention_options(const ParallelTransformerLayerOptions& options);
+ParallelMLPOptions mlp_options(const ParallelTransformerLayerOptions& options);
+
+/// The forward of ParallelTransformerLayer: `x` [s, b, h] ([s / t, b, h] under sequence
+/// parallelism), the mask as in attention_heads, dropout only when `training`. Dropout on whole
+/// tensors draws from the default generator (the same on every rank), on sequence-parallel rows
+/// from the per-rank stream. `options.group()` must be set.
+at::Tensor parallel_transformer_layer(const at::Tensor& x,
+                                      const TransformerLayerParameters& parameters,
+                                      const ParallelTransformerLayerOptions& options,
+                                      const std::optional<at::Tensor>& attn_mask,
+                                      bool is_causal,
+                                      bool training);
+
+class ParallelTransformerLayer;
+
+/// A transformer encoder layer (self-attention and MLP, each with a residual and LayerNorm).
+class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransformerLayerImpl> {
+ public:
+  explicit ParallelTransformerLayerImpl(ParallelTransformerLayerOptions options)
+      : ParallelTransformerLayerImpl(std::move(options), /*initialise=*/true) {}
+  void reset() override;
+  /// Draws the weights of a torch::nn::TransformerEncoderLayer with these options and loads them.
+  void reset_parameters();
+  /// `x` [s, b, h] ([s / t, b, h] under sequence parallelism); mask as in attention_heads.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& attn_mask = {}, bool is_causal = false);
+  /// The parameters as parallel_transformer_layer takes them.
+  TransformerLayerParameters weights() const;
+  /// Shards `dense` (a post-LN layer, as LibTorch's are).
+  static ParallelTransformerLayer from_dense(const torch::nn::TransformerEncoderLayer& dense,
+                                             GroupPtr group = {},
+                                             bool sequence_parallel = false);
+
+  /// Copies this rank's shards of `dense` into the parameters.
+  void load_dense(const torch::nn::TransformerEncoderLayer& dense);
+  /// Parameter names in the dense layer, by prefix (torch_mp::checkpoint).
+  static const DenseNames& dense_names();
+
+  ParallelTransformerLayerOptions options;
+  torch::nn::LayerNorm norm1 = nullptr;
+  ParallelSelfAttention self_attn = nullptr;
+  torch::nn::LayerNorm norm2 = nullptr;
+  ParallelMLP mlp = nullptr;
+
+ private:
+  ParallelTransformerLayerImpl(ParallelTransformerLayerOptions options, bool initialise);
+  bool initialise_ = true;
+};
+TORCH_MODULE(ParallelTransformerLayer);
+
+}  // namespace torch_mp::tensor_parallel

@@ -1,0 +1,104 @@
+// ParallelTransformerLayer against the dense LibTorch layer computed in the same thread without
+// any parallelism.
+
+#include "torch_mp/tensor_parallel/transformer_layer.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/transformerlayer.h>
+
+#include <string>
+
+#include "tensor_checks.h"
+#include "tensor_parallel_fixture.h"
+#include "thread_world.h"
+
+namespace torch_mp {
+namespace {
+
+using tensor_parallel::ParallelTransformerLayerImpl;
+using testing::seeded_generator;
+using namespace tp_testing;  // NOLINT: the fixtures and helpers every file here shares
+
+constexpr int64_t kSeq = 8;
+constexpr int64_t kModel = 16;
+
+torch::nn::TransformerEncoderLayer seeded_transformer_layer() {
+  torch::nn::TransformerEncoderLayer dense(
+      torch::nn::TransformerEncoderLayerOptions(kModel, 4).dim_feedforward(32).dropout(0.0));
+  randomise_parameters(*dense, 71, 0.5);
+  return dense;
+}
+
+/// The layer sharded from a dense one against it. Under sequence parallelism rank r feeds rows
+/// [r * s / t, (r + 1) * s / t) of x and gets the same rows of the output and input gradient.
+void check_transformer_layer_matches_dense(const Mesh& mesh, bool sequence_parallel) {
+  auto dense = seeded_transformer_layer();
+  const at::Tensor input = at::randn({kSeq, 2, kModel}, seeded_generator(72));
+  const at::Tensor upstream = at::randn({kSeq, 2, kModel}, seeded_generator(73));
+  const at::Tensor dense_x = input.clone().requires_grad_(true);
+  const at::Tensor dense_y = dense(dense_x);
+  dense_y.backward(upstream);
+
+  auto layer = ParallelTransformerLayerImpl::from_dense(dense, mesh.tp_group, sequence_parallel);
+  const auto rows = [&](const at::Tensor& full) {
+    return sequence_parallel ? chunk_of(full, 0, mesh) : full;
+  };
+  const at::Tensor x = rows(input).clone().requires_grad_(true);
+  const at::Tensor y = layer(x);
+  y.backward(rows(upstream));
+
+  const std::string where = std::string(sequence_parallel ? "sequence parallel" : "replicated") +
+                            ", rank " + std::to_string(mesh.rank);
+  EXPECT_TRUE(close(y, rows(dense_y))) << "output, " << where;
+  EXPECT_TRUE(close(x.grad(), rows(dense_x.grad()))) << "input grad, " << where;
+  // Replicated parameters: the whole dense gradient on every rank.
+  EXPECT_TRUE(close(layer->norm1->weight.grad(), dense->norm1->weight.grad()))
+      << "norm1 weight grad, " << where;
+  EXPECT_TRUE(close(layer->norm1->bias.grad(), dense->norm1->bias.grad()))
+      << "norm1 bias grad, " << where;
+  EXPECT_TRUE(close(layer->norm2->weight.grad(), dense->norm2->weight.grad()))
+      << "norm2 weight grad, " << where;
+  EXPECT_TRUE(close(layer->self_attn->proj->bias.grad(), dense->self_attn->out_proj->bias.grad()))
+      << "attention output bias grad, " << where;
+  // This rank's heads: rows [r h / t, (r + 1) h / t) of each of Q, K and V.
+  const at::Tensor qkv_grad = dense->self_attn->in_proj_weight.grad().view({3, kModel, kModel});
+  EXPECT_TRUE(close(layer->self_attn->qkv->weight.grad(),
+                    chunk_of(qkv_grad, 1, mesh).reshape({-1, kModel})))
+      << "qkv weight grad, " << where;
+  EXPECT_TRUE(close(layer->self_attn->proj->weight.grad(),
+                    chunk_of(dense->self_attn->out_proj->weight.grad(), 1, mesh)))
+      << "attention output weight grad, " << where;
+  EXPECT_TRUE(
+      close(layer->mlp->fc1->weight.grad(), chunk_of(dense->linear1->weight.grad(), 0, mesh)))
+      << "fc1 weight grad, " << where;
+  EXPECT_TRUE(
+      close(layer->mlp->fc2->weight.grad(), chunk_of(dense->linear2->weight.grad(), 1, mesh)))
+      << "fc2 weight grad, " << where;
+}
+
+TEST_P(TensorParallel, TransformerLayerFromDenseMatchesDenseOutputAndGradients) {
+  on_every_rank(world(), [](const Mesh& mesh) {
+    check_transformer_layer_matches_dense(mesh, /*sequence_parallel=*/false);
+  });
+}
+
+TEST_P(TensorParallel, SequenceParallelTransformerLayerMatchesTheDenseRowsItHolds) {
+  on_every_rank(world(), [](const Mesh& mesh) {
+    check_transformer_layer_matches_dense(mesh, /*sequence_parallel=*/true);
+  });
+}
+
+TEST_P(TensorParallelOnSeveralRanks, TransformerLayerRaisesWhenHeadsAreNotDivisible) {
+  expect_every_rank_raises(
+      world(),
+      [](const Mesh& mesh) {
+        const torch::nn::TransformerEncoderLayer dense(
+            torch::nn::TransformerEncoderLayerOptions(12, 3).dim_feedforward(24).dropout(0.0));
+        ParallelTransformerLayerImpl::from_dense(dense, mesh.tp_group);
+      },
+      "num_heads (3) must be divisible");
+}
+
+}  // namespace
+}  // namespace torch_mp

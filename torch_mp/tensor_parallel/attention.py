@@ -1,0 +1,166 @@
+"""Self-attention with the heads split across the tensor-parallel group (the C++ core's
+csrc/torch_mp/tensor_parallel/attention.h; the forward is the operator
+``torch.ops.torch_mp.parallel_self_attention``).
+
+Transformer tensors are ``[s, b, h]`` (sequence first); with ``sequence_parallel=True`` each rank
+holds ``[s / t, b, h]`` of the input and output. Default initialisation draws the dense
+``nn.MultiheadAttention`` and keeps this rank's heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_mp import _C
+from torch_mp._group import SharesGroup
+from torch_mp.tensor_parallel._shell import (
+    column_row_pair,
+    empty_like_dense,
+    materialise,
+    tp_group,
+)
+
+
+class ParallelSelfAttention(SharesGroup, nn.Module):
+    """Multi-head self-attention with the heads split across the tensor-parallel group.
+
+    A column-parallel QKV projection (this rank's heads of Q, K and V), attention over the local
+    heads, a row-parallel output projection: one all-reduce forward and one backward (a gather
+    and a reduce-scatter under sequence parallelism). Equals ``nn.MultiheadAttention`` applied
+    as self-attention (``attn(x, x, x)``) on ``[s, b, h]`` input.
+
+    Args:
+        hidden_size: Embedding size ``h``; divisible by ``num_heads``.
+        num_heads: Attention heads in all; divisible by the group size.
+        bias: Biases on the projections.
+        dropout: Dropout on the attention probabilities (training only; per-rank stream of
+            :mod:`torch_mp.random` when seeded there).
+        sequence_parallel: Input and output split along the sequence dim 0.
+        group: The tensor-parallel group; the default mesh's when None.
+        device, dtype: Where and in what type to create the parameters.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        bias: bool = True,
+        dropout: float = 0.0,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.group = tp_group(group)
+        self.tp_size = dist.get_world_size(self.group)
+        _C.check_parallel_self_attention(
+            hidden_size, num_heads, bias, dropout, sequence_parallel, self.group.group_name
+        )
+        self.hidden_size, self.num_heads, self.dropout = hidden_size, num_heads, dropout
+        self.sequence_parallel = sequence_parallel
+        self.qkv, self.proj = column_row_pair(
+            (hidden_size, 3 * hidden_size),
+            (hidden_size, hidden_size),
+            bias,
+            sequence_parallel,
+            self.group,
+        )
+        self.qkv._layout_parts = 3  # this rank's rows of Q, of K and of V
+        materialise(self, device, dtype)
+
+    # Parameter names in the dense counterpart (to_dense), by prefix (torch_mp.checkpoint): the
+    # C++ module's table.
+    DENSE_NAMES = dict(_C.dense_names("ParallelSelfAttention"))
+
+    def reset_parameters(self) -> None:
+        """Draws an ``nn.MultiheadAttention`` (as it initialises itself) and keeps our heads."""
+        self.load_dense(
+            nn.MultiheadAttention(self.hidden_size, self.num_heads, bias=self.qkv.bias is not None)
+        )
+
+    def load_dense(self, attention: nn.MultiheadAttention) -> None:
+        """Copies this rank's heads of ``attention`` into the parameters."""
+        if not attention._qkv_same_embed_dim or attention.bias_k is not None:
+            raise ValueError("ParallelSelfAttention: kdim/vdim and add_bias_kv are not supported")
+        if attention.add_zero_attn:
+            raise ValueError("ParallelSelfAttention: add_zero_attn is not supported")
+        name = self.group.group_name
+        _C.load_dense_qkv_(
+            self.qkv.weight, self.qkv.bias, attention.in_proj_weight, attention.in_proj_bias, name
+        )
+        _C.load_dense_linear_(
+            self.proj.weight,
+            self.proj.bias,
+            attention.out_proj.weight,
+            attention.out_proj.bias,
+            1,
+            name,
+        )
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        """``x``: ``[s, b, h]`` (``[s / t, b, h]`` under sequence parallelism). ``attn_mask`` as
+        in ``nn.MultiheadAttention``: ``[s, s]`` or ``[b * num_heads, s, s]``, bool (True may
+        not attend) or float (added); ``is_causal`` without a mask applies the causal mask.
+        Key padding masks are not supported (fold them into ``attn_mask``)."""
+        return torch.ops.torch_mp.parallel_self_attention(
+            x,
+            self.qkv.weight,
+            self.qkv.bias,
+            self.proj.weight,
+            self.proj.bias,
+            attn_mask,
+            is_causal,
+            self.num_heads,
+            self.dropout,
+            self.sequence_parallel,
+            self.training,
+            self.group.group_name,
+        )
+
+    @classmethod
+    def from_dense(
+        cls,
+        attention: nn.MultiheadAttention,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ) -> ParallelSelfAttention:
+        """Shards ``attention`` (device and dtype kept, no random draws)."""
+        layer = cls(
+            attention.embed_dim,
+            attention.num_heads,
+            bias=attention.in_proj_bias is not None,
+            dropout=attention.dropout,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            device="meta",
+        )
+        empty_like_dense(attention, layer)
+        layer.load_dense(attention)
+        return layer
+
+    def to_dense(self) -> nn.MultiheadAttention:
+        """The dense ``nn.MultiheadAttention`` (a collective)."""
+        name = self.group.group_name
+        in_weight, in_bias = _C.gather_dense_qkv(self.qkv.weight, self.qkv.bias, name)
+        out_weight, out_bias = _C.gather_dense_linear(self.proj.weight, self.proj.bias, 1, name)
+        dense = nn.MultiheadAttention(
+            self.hidden_size,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=in_bias is not None,
+            device="meta",
+        ).to_empty(device=in_weight.device)
+        dense.to(dtype=in_weight.dtype)
+        with torch.no_grad():
+            dense.in_proj_weight.copy_(in_weight)
+            dense.out_proj.weight.copy_(out_weight)
+            if in_bias is not None:
+                dense.in_proj_bias.copy_(in_bias)
+                dense.out_proj.bias.copy_(out_bias)
+        return dense

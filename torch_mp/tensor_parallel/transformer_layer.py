@@ -1,0 +1,194 @@
+"""A transformer encoder layer with tensor-parallel attention and MLP (the C++ core's
+csrc/torch_mp/tensor_parallel/transformer_layer.h). Its forward, the residual order, the norms
+and which dropout draws from which stream, is the core's: the operator
+``torch.ops.torch_mp.parallel_transformer_layer``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_mp import _C
+from torch_mp._group import SharesGroup
+from torch_mp.tensor_parallel._shell import empty_like_dense, materialise, tp_group
+from torch_mp.tensor_parallel.attention import ParallelSelfAttention
+from torch_mp.tensor_parallel.layer_norm import LayerNorm
+from torch_mp.tensor_parallel.mlp import ParallelMLP
+
+
+class ParallelTransformerLayer(SharesGroup, nn.Module):
+    """A transformer encoder layer with tensor-parallel attention and MLP.
+
+    The same layer as ``nn.TransformerEncoderLayer`` (same arguments and defaults, ``[s, b, h]``
+    layout): post-LN ``norm2(y + mlp(y))`` with ``y = norm1(x + attn(x))``, or pre-LN with
+    ``norm_first=True``. With ``sequence_parallel=True`` the LayerNorms, dropouts and residuals
+    act on each rank's ``s / t`` rows, and the replicated LayerNorm parameters get the dense
+    gradients (see :class:`LayerNorm`).
+
+    Args:
+        hidden_size, num_heads, ffn_hidden_size: ``d_model``, ``nhead``, ``dim_feedforward``.
+        dropout, activation, layer_norm_eps, norm_first, bias: As in
+            ``nn.TransformerEncoderLayer`` (activation ``"relu"`` or ``"gelu"``).
+        sequence_parallel: Input and output split along the sequence dim 0.
+        group: The tensor-parallel group; the default mesh's when None.
+        device, dtype: Where and in what type to create the parameters.
+
+    Raises:
+        RuntimeError: If ``num_heads`` or ``ffn_hidden_size`` is not divisible by the group size,
+            or ranks disagree on the configuration.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        ffn_hidden_size: int = 2048,
+        dropout: float = 0.1,
+        activation: str = "relu",
+        layer_norm_eps: float = 1e-5,
+        norm_first: bool = False,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.group = tp_group(group)
+        # What the attention and MLP do not check themselves.
+        _C.check_parallel_transformer_layer(norm_first, layer_norm_eps, self.group.group_name)
+        self.norm_first, self.dropout, self.sequence_parallel = (
+            norm_first,
+            dropout,
+            sequence_parallel,
+        )
+        self.activation = activation
+        meta = {"group": self.group, "device": "meta"}
+        norm_args = (hidden_size, layer_norm_eps, True, bias, sequence_parallel)
+        self.norm1 = LayerNorm(*norm_args, **meta)
+        self.self_attn = ParallelSelfAttention(
+            hidden_size, num_heads, bias, dropout, sequence_parallel, **meta
+        )
+        self.norm2 = LayerNorm(*norm_args, **meta)
+        self.mlp = ParallelMLP(
+            hidden_size, ffn_hidden_size, bias, activation, dropout, sequence_parallel, **meta
+        )
+        materialise(self, device, dtype)
+
+    def _dense_layer(self, device=None) -> nn.TransformerEncoderLayer:
+        """An ``nn.TransformerEncoderLayer`` with this layer's arguments (drawn as it draws
+        itself; on ``"meta"`` for a shape to fill)."""
+        return nn.TransformerEncoderLayer(
+            self.self_attn.hidden_size,
+            self.self_attn.num_heads,
+            self.mlp.fc1.out_features,
+            self.dropout,
+            self.activation,
+            self.norm1.eps,
+            norm_first=self.norm_first,
+            bias=self.mlp.fc1.bias is not None,
+            device=device,
+        )
+
+    def reset_parameters(self) -> None:
+        """Draws an ``nn.TransformerEncoderLayer`` with these arguments and keeps our part."""
+        self.load_dense(self._dense_layer())
+
+    def load_dense(self, layer: nn.TransformerEncoderLayer) -> None:
+        """Copies this rank's part of ``layer`` into the parameters."""
+        self.self_attn.load_dense(layer.self_attn)
+        self.mlp.load_dense(layer.linear1, layer.linear2)
+        with torch.no_grad():
+            for mine, dense in ((self.norm1, layer.norm1), (self.norm2, layer.norm2)):
+                mine.weight.copy_(dense.weight)
+                if mine.bias is not None:
+                    mine.bias.copy_(dense.bias)
+
+    # Parameter names in the dense counterpart (to_dense), by prefix (torch_mp.checkpoint): the
+    # C++ module's table.
+    DENSE_NAMES = dict(_C.dense_names("ParallelTransformerLayer"))
+
+    def to_dense(self) -> nn.TransformerEncoderLayer:
+        """Gathers the layer into an ``nn.TransformerEncoderLayer`` on every rank (a
+        collective)."""
+        layer = self._dense_layer(device="meta")
+        weight = self.norm1.weight
+        layer.to_empty(device=weight.device)
+        layer.to(dtype=weight.dtype)
+        with torch.no_grad():
+            layer.self_attn.load_state_dict(self.self_attn.to_dense().state_dict())
+            layer.linear1.load_state_dict(self.mlp.fc1.to_dense().state_dict())
+            layer.linear2.load_state_dict(self.mlp.fc2.to_dense().state_dict())
+            layer.norm1.load_state_dict(self.norm1.state_dict())
+            layer.norm2.load_state_dict(self.norm2.state_dict())
+        return layer
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        """``x``: ``[s, b, h]`` (``[s / t, b, h]`` under sequence parallelism); the mask as in
+        :meth:`ParallelSelfAttention.forward`."""
+        attention, mlp = self.self_attn, self.mlp
+        return torch.ops.torch_mp.parallel_transformer_layer(
+            x,
+            self.norm1.weight,
+            self.norm1.bias,
+            attention.qkv.weight,
+            attention.qkv.bias,
+            attention.proj.weight,
+            attention.proj.bias,
+            self.norm2.weight,
+            self.norm2.bias,
+            mlp.fc1.weight,
+            mlp.fc1.bias,
+            mlp.fc2.weight,
+            mlp.fc2.bias,
+            attn_mask,
+            is_causal,
+            attention.num_heads,
+            self.activation,
+            self.dropout,
+            self.norm1.eps,
+            self.norm_first,
+            self.sequence_parallel,
+            self.training,
+            self.group.group_name,
+        )
+
+    @classmethod
+    def from_dense(
+        cls,
+        layer: nn.TransformerEncoderLayer,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+    ) -> ParallelTransformerLayer:
+        """Shards an ``nn.TransformerEncoderLayer`` (device and dtype kept, no random draws).
+
+        The parallel layer takes ``[s, b, h]`` whatever the dense layer's ``batch_first``.
+        """
+        kinds = {1: "relu", 2: "gelu"}
+        approximate = (
+            isinstance(layer.activation, nn.GELU) and layer.activation.approximate != "none"
+        )
+        if layer.activation_relu_or_gelu not in kinds or approximate:
+            raise ValueError(
+                "ParallelTransformerLayer: only relu and (exact) gelu activations are supported"
+            )
+        parallel = cls(
+            layer.self_attn.embed_dim,
+            layer.self_attn.num_heads,
+            layer.linear1.out_features,
+            dropout=layer.dropout.p,
+            activation=kinds[layer.activation_relu_or_gelu],
+            layer_norm_eps=layer.norm1.eps,
+            norm_first=layer.norm_first,
+            bias=layer.linear1.bias is not None,
+            sequence_parallel=sequence_parallel,
+            group=group,
+            device="meta",
+        )
+        empty_like_dense(layer, parallel)
+        parallel.load_dense(layer)
+        return parallel
