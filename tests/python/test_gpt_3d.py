@@ -1,32 +1,43 @@
-"""The GPT of examples/python/gpt_3d.py trained on tp x pp x dp ranks equals the same model
-trained on one process: for 5 AdamW steps with clipping, every schedule, sequence parallelism on
-and off, DistributedDataParallel and torch_mp.DataParallel stages.
+"""The GPT of torch_mp.models (examples/python/gpt_3d.py's) trained on tp x pp x dp ranks
+equals the same model trained on one process: for 5 AdamW steps with clipping, every schedule,
+sequence parallelism on and off, DistributedDataParallel and torch_mp.DataParallel stages.
 
 Tolerances (fp32): the first step's clipped gradients and every step's loss at rtol 1e-5 /
 atol 1e-6 (sums taken in another order); parameters after 5 AdamW steps at atol 1e-4, because
 AdamW scales each element's update by 1 / sqrt(v): an element inherits the *relative* error of
 its own gradient, which is large for the few entries whose gradient is tiny next to the terms
-summed into it (see gpt_3d.PARAMETER_TOLERANCE).
+summed into it (as examples/python/gpt_3d.py explains).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 from reference import assert_close, use_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "python"))
-import gpt_3d  # noqa: E402
+from torch_mp.models import (
+    Corpus,
+    DenseGPT,
+    DenseTrainer,
+    GPTConfig,
+    Trainer3D,
+    TrainingOptions,
+    differences,
+)
 
+PARAMETER_TOLERANCE = 1e-4
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
-SMALL = ["--hidden", "16", "--heads", "2", "--ffn", "32", "--seq", "8", "--batch", "4"]
+BATCH = 4
 
 
-def _gradients(trainer: gpt_3d.Trainer3D) -> dict[str, torch.Tensor]:
+def _config(vocab: int, heads: int = 2) -> GPTConfig:
+    return GPTConfig(vocab, seq=8, hidden=16, heads=heads, ffn=32)
+
+
+def _gradients(trainer: Trainer3D) -> dict[str, torch.Tensor]:
     """The stages' gradients gathered into the dense model's names (a collective)."""
     params = trainer.parameters
     for p in params:  # gathered() reads values: show it the gradients
@@ -39,18 +50,19 @@ def _gradients(trainer: gpt_3d.Trainer3D) -> dict[str, torch.Tensor]:
 
 
 def _train_3d(tp: int, pp: int, schedule: str, sequence_parallel: bool, ddp: bool) -> None:
-    flags = ["--tp", str(tp), "--pp", str(pp), "--schedule", schedule, "--microbatches", "2"]
-    flags += ["--sequence-parallel"] * sequence_parallel + ["--ddp"] * ddp
-    args = gpt_3d.parse_args(SMALL + flags)
+    options = TrainingOptions(
+        schedule=schedule, microbatches=2, sequence_parallel=sequence_parallel, ddp=ddp
+    )
     mesh = use_mesh(tp, pp)
-    corpus = gpt_3d.Corpus()
+    corpus = Corpus()
+    config = _config(corpus.vocab)
     torch.manual_seed(0)
-    model = gpt_3d.DenseGPT(corpus.vocab, args)
-    reference = gpt_3d.DenseTrainer(gpt_3d.copy.deepcopy(model), args)
-    trainer = gpt_3d.Trainer3D(model, mesh, args, corpus.vocab)
-    mine = slice(mesh.dp_rank * args.batch, (mesh.dp_rank + 1) * args.batch)
+    model = DenseGPT(config)
+    reference = DenseTrainer(copy.deepcopy(model), options)
+    trainer = Trainer3D(model, mesh, options)
+    mine = slice(mesh.dp_rank * BATCH, (mesh.dp_rank + 1) * BATCH)
     for step in range(1, 6):
-        inputs, target = corpus.batch(step, args.batch * mesh.dp_size, args.seq)
+        inputs, target = corpus.batch(step, BATCH * mesh.dp_size, config.seq)
         loss = trainer.compute_gradients(inputs[mine], target[mine])
         expected = reference.compute_gradients(inputs, target)
         assert_close(torch.tensor(loss), torch.tensor(expected), f"step {step} loss")
@@ -61,9 +73,9 @@ def _train_3d(tp: int, pp: int, schedule: str, sequence_parallel: bool, ddp: boo
                 assert_close(grad[: ref.shape[0]], ref, f"{name} gradient")
         trainer.optimizer.step()
         reference.optimizer.step()
-    worst = gpt_3d.differences(trainer, reference.model)
+    worst = differences(trainer, reference.model)
     name = max(worst, key=worst.get)
-    assert worst[name] <= gpt_3d.PARAMETER_TOLERANCE, (dist.get_rank(), name, worst[name])
+    assert worst[name] <= PARAMETER_TOLERANCE, (dist.get_rank(), name, worst[name])
 
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["DataParallel", "DDP"])
@@ -89,20 +101,18 @@ def _trainer(tp: int, pp: int, seed: int):
     global batch is the same at every layout."""
     mesh = use_mesh(tp, pp)
     batch = GLOBAL_BATCH // mesh.dp_size
-    args = gpt_3d.parse_args(
-        ["--hidden", "16", "--heads", "4", "--ffn", "32", "--seq", "8", "--batch", str(batch)]
-        + ["--tp", str(tp), "--pp", str(pp), "--microbatches", str(min(2, batch))]
-    )
-    corpus = gpt_3d.Corpus()
+    options = TrainingOptions(microbatches=min(2, batch))
+    corpus = Corpus()
+    config = _config(corpus.vocab, heads=4)
     torch.manual_seed(seed)
-    model = gpt_3d.DenseGPT(corpus.vocab, args)
-    return gpt_3d.Trainer3D(model, mesh, args, corpus.vocab), args, corpus, mesh
+    trainer = Trainer3D(DenseGPT(config), mesh, options)
+    return trainer, config, options, corpus, mesh, batch
 
 
 def _train_and_save(tp: int, pp: int, path: str) -> None:
-    trainer, args, corpus, mesh = _trainer(tp, pp, seed=0)
-    inputs, target = corpus.batch(1, GLOBAL_BATCH, args.seq)
-    mine = slice(mesh.dp_rank * args.batch, (mesh.dp_rank + 1) * args.batch)
+    trainer, config, _, corpus, mesh, batch = _trainer(tp, pp, seed=0)
+    inputs, target = corpus.batch(1, GLOBAL_BATCH, config.seq)
+    mine = slice(mesh.dp_rank * batch, (mesh.dp_rank + 1) * batch)
     trainer.step(inputs[mine], target[mine])
     trainer.save(path, step=1)
 
@@ -110,17 +120,17 @@ def _train_and_save(tp: int, pp: int, path: str) -> None:
 def _load_and_continue(tp: int, pp: int, path: str) -> tuple[float, float, float]:
     """Loads at (tp, pp) a model of other values, takes step 2; returns its loss, the
     uninterrupted one-process run's, and the worst parameter difference after it."""
-    trainer, args, corpus, mesh = _trainer(tp, pp, seed=1)
+    trainer, config, options, corpus, mesh, batch = _trainer(tp, pp, seed=1)
     step = trainer.load(path)
     assert step == 1
     torch.manual_seed(0)
-    reference = gpt_3d.DenseTrainer(gpt_3d.DenseGPT(corpus.vocab, args), args)
-    reference.step(*corpus.batch(1, GLOBAL_BATCH, args.seq))
-    inputs, target = corpus.batch(2, GLOBAL_BATCH, args.seq)
-    mine = slice(mesh.dp_rank * args.batch, (mesh.dp_rank + 1) * args.batch)
+    reference = DenseTrainer(DenseGPT(config), options)
+    reference.step(*corpus.batch(1, GLOBAL_BATCH, config.seq))
+    inputs, target = corpus.batch(2, GLOBAL_BATCH, config.seq)
+    mine = slice(mesh.dp_rank * batch, (mesh.dp_rank + 1) * batch)
     loss = trainer.step(inputs[mine], target[mine])
     expected = reference.step(inputs, target)
-    return loss, expected, max(gpt_3d.differences(trainer, reference.model).values())
+    return loss, expected, max(differences(trainer, reference.model).values())
 
 
 @pytest.mark.parametrize(
@@ -137,4 +147,4 @@ def test_saved_at_2x2x2_the_next_step_at_any_layout_equals_the_uninterrupted_run
     world8.run(_train_and_save, 2, 2, path)
     for loss, expected, worst in get_world(world_size).run(_load_and_continue, tp, pp, path):
         assert abs(loss - expected) <= 1e-5 * abs(expected) + 1e-6, (loss, expected)
-        assert worst <= gpt_3d.PARAMETER_TOLERANCE, worst
+        assert worst <= PARAMETER_TOLERANCE, worst

@@ -91,3 +91,23 @@ def _dropout_in_a_parallel_region_matches_dense() -> None:
 
 def test_dropout_inside_fork_uses_each_ranks_stream(world):
     world.run(_dropout_in_a_parallel_region_matches_dense)
+
+
+def _region_dropout_streams() -> None:
+    """Dropout on shards draws from the per-rank stream (masks differ between ranks), dropout on
+    replicated tensors from the shared one (masks equal)."""
+    mesh = use_mesh(dist.get_world_size())
+    torch_mp.random.manual_seed(3)
+    ones = torch.ones(4096)
+    shard_mask = torch_mp.random.region_dropout(ones, 0.5, True)
+    replicated_mask = torch.nn.functional.dropout(ones, 0.5, True)
+    masks = [torch.empty_like(ones) for _ in range(mesh.tp_size)]
+    dist.all_gather(masks, shard_mask)
+    if mesh.tp_size > 1:
+        assert not torch.equal(masks[0], masks[1]), "shards drew the same dropout mask"
+    dist.all_gather(masks, replicated_mask)
+    assert all(torch.equal(m, replicated_mask) for m in masks), "replicated masks differ"
+
+
+def test_dropout_draws_from_the_right_stream(world):
+    world.run(_region_dropout_streams)

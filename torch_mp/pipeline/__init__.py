@@ -11,8 +11,8 @@
     pipeline.chrome_trace(r, "1f1b.json")      # for Perfetto / chrome://tracing
 """
 
-from torch_mp.pipeline.executor import Pipeline
 from torch_mp.pipeline.partition import partition
+from torch_mp.pipeline.pipeline import Pipeline
 from torch_mp.pipeline.render import chrome_trace, render
 from torch_mp.pipeline.schedule import (
     Action,
@@ -26,6 +26,7 @@ from torch_mp.pipeline.schedule import (
     simulate,
 )
 from torch_mp.pipeline.split_backward import WeightWork, backward_input, backward_weight
+from torch_mp.pipeline.traced import TracedStage, traced_stage
 
 __all__ = [
     "Pipeline",
@@ -33,6 +34,7 @@ __all__ = [
     "Schedule",
     "SimulationResult",
     "TimedAction",
+    "TracedStage",
     "WeightWork",
     "backward_input",
     "backward_weight",
@@ -44,4 +46,5 @@ __all__ = [
     "schedule",
     "schedule_names",
     "simulate",
+    "traced_stage",
 ]

@@ -1,0 +1,210 @@
+"""A small GPT, defined once: the one-process model (:class:`DenseGPT`) and its tensor-parallel
+pipeline stages (:class:`GPTStage`), sharded from it.
+
+The model: token and learned position embeddings, pre-LN transformer layers under a causal mask,
+a final LayerNorm and an output head tied to the token embedding, on ``[b, s]`` token ids,
+giving ``[s, b, vocab]`` logits. The C++ examples define the same model
+(examples/cpp/gpt.h), with the same parameter names, so checkpoints cross the front ends.
+
+In the stages, the vocabulary (embedding rows, logits, loss), the attention heads and the MLP are
+split across the tensor group; with ``sequence_parallel`` the LayerNorms and residuals act on
+each rank's chunk of the sequence. The first stage holds the embeddings, the last the final norm
+and the head, a copy of the embedding tied to it across the pipeline (or the embedding itself
+when one stage holds both).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import torch_mp
+from torch_mp import collectives
+
+__all__ = ["Corpus", "DenseGPT", "GPTConfig", "GPTStage", "build_stages", "dense_loss"]
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The GPT's sizes. ``heads`` and ``ffn`` (and ``seq`` under sequence parallelism) must be
+    divisible by the tensor-parallel size; the vocabulary need not be."""
+
+    vocab: int
+    seq: int = 32
+    hidden: int = 32
+    heads: int = 4
+    ffn: int = 64
+    layers: int = 4
+
+
+class Corpus:
+    """Characters of a text file as token ids, cut into random windows (the same on every rank
+    for the same step)."""
+
+    def __init__(self, path: Path | str = README) -> None:
+        text = Path(path).read_text(encoding="utf-8")
+        self.chars = sorted(set(text))
+        index = {c: i for i, c in enumerate(self.chars)}
+        self.ids = torch.tensor([index[c] for c in text], dtype=torch.long)
+
+    @property
+    def vocab(self) -> int:
+        return len(self.chars)
+
+    def batch(self, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch`` windows for ``step``: inputs and next-token targets, each ``[batch, seq]``."""
+        g = torch.Generator().manual_seed(1000 + step)
+        starts = torch.randint(len(self.ids) - seq - 1, (batch,), generator=g)
+        windows = torch.stack([self.ids[s : s + seq + 1] for s in starts.tolist()])
+        return windows[:, :-1], windows[:, 1:]
+
+
+class DenseGPT(nn.Module):
+    """The one-process model, on ``[b, s]`` token ids; returns ``[s, b, vocab]`` logits.
+
+    The transformer layers have no biases (as in PaLM or LLaMA). With them, the attention's key
+    bias would have a gradient that is exactly zero in exact arithmetic (softmax ignores a
+    constant added to a row of scores) and rounding noise of ~1e-10 in practice, which AdamW
+    turns into updates of lr * noise / eps: noise that no two summation orders share.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok = nn.Embedding(config.vocab, config.hidden)
+        self.pos = nn.Embedding(config.seq, config.hidden)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                config.hidden,
+                config.heads,
+                config.ffn,
+                dropout=0.0,
+                activation="gelu",
+                norm_first=True,
+                bias=False,
+            )
+            for _ in range(config.layers)
+        )
+        self.norm = nn.LayerNorm(config.hidden)
+        with torch.no_grad():  # GPT-2's initialisation of the tied table (logits start small)
+            self.tok.weight.normal_(std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.T  # [s, b]
+        s = tokens.shape[0]
+        x = self.tok(tokens) + self.pos(torch.arange(s))[:, None]
+        mask = nn.Transformer.generate_square_subsequent_mask(s)
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return self.norm(x) @ self.tok.weight.T
+
+
+def dense_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``[s, b, vocab]`` logits against ``[b, s]`` next-token targets."""
+    return F.cross_entropy(logits.flatten(0, 1), target.T.flatten())
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of ``DenseGPT``, tensor-parallel: layers ``layers`` of the dense model,
+    plus the embeddings on the first stage and the final norm and (tied) head on the last.
+
+    The first stage takes ``[b, s]`` token ids; stages pass ``[s, b, h]`` activations
+    (``[s / t, b, h]`` under sequence parallelism); the last returns this rank's
+    ``[s, b, ceil(vocab / t)]`` slice of the logits, for :meth:`loss`.
+    """
+
+    def __init__(
+        self,
+        dense: DenseGPT,
+        layers: range,
+        first: bool,
+        last: bool,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.first, self.last, self.sequence_parallel = first, last, sequence_parallel
+        self.vocab = dense.config.vocab
+        self.layer_ids = layers
+        if first:
+            self.tok = torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
+            self.pos = copy.deepcopy(dense.pos)  # replicated on every rank
+        self.layers = nn.ModuleList(
+            torch_mp.ParallelTransformerLayer.from_dense(
+                dense.layers[i], sequence_parallel=sequence_parallel
+            )
+            for i in layers
+        )
+        if last:
+            self.norm = torch_mp.tensor_parallel.LayerNorm.from_dense(
+                dense.norm, sequence_parallel=sequence_parallel
+            )
+            # One stage holds both ends: the head is the embedding itself. Otherwise a copy,
+            # tied to the first stage's through Pipeline(tied_parameters=...).
+            self.head = self.tok if first else torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            tokens = x.T
+            s = tokens.shape[0]
+            # Every rank computes the whole embedding (the vocab-parallel lookup all-reduces).
+            x = self.tok(tokens) + self.pos(torch.arange(s))[:, None]
+            if self.sequence_parallel:
+                # This rank's chunk of the sequence; scatter_to_tp (not a plain chunk) gives the
+                # tables the whole sequence's gradient (its backward all-gathers).
+                x = collectives.scatter_to_tp(x, dim=0)
+        for layer in self.layers:
+            x = layer(x, is_causal=True)
+        if not self.last:
+            return x
+        h = self.norm(x)
+        # Into the vocab-parallel head: under sequence parallelism gather the sequence back
+        # (backward reduce-scatters), otherwise copy_to_tp (backward all-reduces).
+        h = collectives.gather_from_sp(h) if self.sequence_parallel else collectives.copy_to_tp(h)
+        return h @ self.head.weight.T
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss: vocabulary-parallel cross-entropy against ``[b, s]`` targets."""
+        return torch_mp.vocab_parallel_cross_entropy(logits, target.T, vocab_size=self.vocab)
+
+    def dense_names(self) -> dict[str, str]:
+        """How this stage's names map to ``DenseGPT``'s, for torch_mp.checkpoint: its layers
+        renumbered, and the head, tied to the embedding, to the embedding's name."""
+        names = {f"layers.{j}.": f"layers.{i}." for j, i in enumerate(self.layer_ids)}
+        names["head.weight"] = "tok.weight"
+        return names
+
+    def gathered(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters gathered into ``DenseGPT``'s names (a tensor-group
+        collective); a head that is a copy of the embedding as ``head.weight``."""
+        names = self.dense_names()
+        del names["head.weight"]
+        return torch_mp.checkpoint.dense_state_dict(self, names)
+
+
+def build_stages(
+    dense: DenseGPT, mesh: torch_mp.Mesh, stages_per_rank: int = 1, sequence_parallel: bool = False
+) -> list[GPTStage]:
+    """This rank's stages (``mesh.pp_rank``, ``+ pp``, ...) of ``dense`` cut into
+    ``pp * stages_per_rank`` stages of equal numbers of layers."""
+    num_stages = mesh.pp_size * stages_per_rank
+    layers = len(dense.layers)
+    if layers % num_stages:
+        raise ValueError(f"{layers} layers cannot be cut into {num_stages} equal stages")
+    per_stage = layers // num_stages
+    return [
+        GPTStage(
+            dense,
+            range(s * per_stage, (s + 1) * per_stage),
+            first=s == 0,
+            last=s == num_stages - 1,
+            sequence_parallel=sequence_parallel,
+        )
+        for s in range(mesh.pp_rank, num_stages, mesh.pp_size)
+    ]
