@@ -120,6 +120,7 @@ void bind_checkpoint(py::module_& parent) {
         py::arg("source"),
         py::arg("path"),
         py::arg("prefix") = "model/",
+        py::arg("metadata") = std::map<std::string, std::string>{},
         py::call_guard<py::gil_scoped_release>());
 }
 

@@ -6,17 +6,15 @@
   same directories; :func:`consolidate` turns one into a dense file;
 - :func:`export_dense` writes the whole model as one plain state dict that the dense model's
   ``load_state_dict`` accepts (safetensors format), and :func:`load_dense` loads such a file
-  into any layout.
+  into any layout; :func:`dense_state_dict` / :func:`load_dense_state_dict` do the same in
+  memory.
+
+The format is specified in docs/checkpoint-format.md.
 """
 
-from torch_mp.checkpoint.dense import (
-    dense_state_dict,
-    export_dense,
-    load_dense,
-    load_dense_state_dict,
-)
+from torch_mp.checkpoint.checkpoint import consolidate, export_dense, load, load_dense, save
+from torch_mp.checkpoint.dense import dense_state_dict, load_dense_state_dict
 from torch_mp.checkpoint.safetensors import load_file, save_file
-from torch_mp.checkpoint.save_load import consolidate, load, save
 
 __all__ = [
     "consolidate",

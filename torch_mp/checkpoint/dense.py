@@ -1,5 +1,5 @@
-"""Dense interchange: a model of any layout to and from one plain state dict, keyed as the dense
-model's ``state_dict`` is, in the safetensors format.
+"""A model of any layout to and from one plain state dict in memory, keyed as the dense model's
+``state_dict`` is (the file form of it is :func:`torch_mp.checkpoint.export_dense`).
 
 A tensor-parallel module knows its dense counterpart: ``to_dense()`` gathers it (a collective
 over its group) and ``load_dense(dense)`` copies this rank's part back. Every other module's
@@ -9,7 +9,6 @@ name their parameters as the stage does; ``rename`` maps those names to the dens
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -17,9 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_mp.checkpoint.safetensors import load_file, save_file
 from torch_mp.layout import layout_of
-from torch_mp.mesh import Mesh, get_mesh
 
 Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
 
@@ -174,76 +171,3 @@ def _modules_and_renames(
             )
         return list(zip(modules, rename, strict=True))
     return [(module, rename) for module in modules]
-
-
-def export_dense(
-    path: str | os.PathLike,
-    model: nn.Module | Sequence[nn.Module],
-    *,
-    rename: Rename | Sequence[Rename] = None,
-    mesh: Mesh | None = None,
-    metadata: Mapping[str, str] | None = None,
-) -> dict[str, torch.Tensor] | None:
-    """Writes the whole model as one dense state dict, in the safetensors format, to ``path``.
-
-    Collective over every rank of the mesh. ``model`` is this rank's module or its pipeline
-    stage modules; ``rename`` (one for all, or one per module) maps their parameter names to
-    the dense model's, so that the file's keys are what the dense model's ``load_state_dict``
-    takes. The tensor-parallel modules are gathered within each tensor group; one rank per
-    pipeline stage (tensor and data rank 0) sends its tensors to rank 0, which checks that
-    tensors named alike by several stages (a head tied to the embedding) are equal and writes
-    the file atomically (a crash leaves the previous file whole).
-
-    Returns:
-        The dense state dict on rank 0, None elsewhere.
-
-    Raises:
-        RuntimeError: On every rank, if two stages give one name different values.
-    """
-    mesh = mesh or get_mesh()
-    mine: dict[str, torch.Tensor] = {}
-    for module, module_rename in _modules_and_renames(model, rename):
-        for key, value in dense_state_dict(module, module_rename).items():
-            if key in mine and not torch.equal(mine[key], value):
-                raise RuntimeError(f"torch_mp.checkpoint: two modules give {key} different values")
-            mine[key] = value.cpu()
-    sends = mine if mesh.tp_rank == 0 and mesh.dp_rank == 0 else {}
-    rank = dist.get_rank()
-    gathered: list[dict[str, torch.Tensor]] | None = (
-        [{} for _ in range(dist.get_world_size())] if rank == 0 else None
-    )
-    dist.gather_object(sends, gathered, dst=0)
-    merged: dict[str, torch.Tensor] = {}
-    problems = []
-    if rank == 0:
-        owner: dict[str, int] = {}
-        for source, tensors in enumerate(gathered):
-            for key, value in tensors.items():
-                if key in merged and not torch.equal(merged[key], value):
-                    problems.append(f"{key} differs between ranks {owner[key]} and {source}")
-                merged.setdefault(key, value)
-                owner.setdefault(key, source)
-        if not problems:
-            try:
-                save_file(merged, path, dict(metadata or {}, format="torch_mp dense"))
-            except Exception as e:  # every rank must hear of it, not wait for rank 0
-                problems.append(f"writing {os.fspath(path)} failed: {type(e).__name__}: {e}")
-    _raise_anywhere(problems, "torch_mp.checkpoint.export_dense failed", None)
-    return merged if rank == 0 else None
-
-
-def load_dense(
-    path: str | os.PathLike,
-    model: nn.Module | Sequence[nn.Module],
-    *,
-    rename: Rename | Sequence[Rename] = None,
-) -> None:
-    """Loads a dense safetensors file (``export_dense``'s, or one written from a dense model's
-    ``state_dict``) into ``model`` of any layout: this rank's module or pipeline stages, with
-    ``rename`` as for :func:`export_dense`. Collective over every rank; every rank reads the
-    file. A missing or misshapen tensor raises on every rank, naming it, before anything
-    changes."""
-    tensors, _ = load_file(path)
-    pairs = _modules_and_renames(model, rename)
-    for module, module_rename in pairs:
-        load_dense_state_dict(module, tensors, module_rename)

@@ -1,37 +1,32 @@
 #pragma once
 // Runs this rank's part of a pipeline schedule on real stages (DESIGN.md §4, "Execute").
+//
+// The executor is an interpreter of the rank's action list (action_plan.h): each action goes to
+// one handler, which computes on a stage (stage.h) or passes a message (mailbox.h). A failure on
+// any rank reaches every rank by the failure protocol (failure.h).
 
 #include <ATen/core/Tensor.h>
 
-#include <functional>
+#include <cstddef>
+#include <cstdint>
 #include <map>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "torch_mp/pipeline/action_plan.h"
+#include "torch_mp/pipeline/failure.h"
+#include "torch_mp/pipeline/mailbox.h"
+#include "torch_mp/pipeline/microbatches.h"
 #include "torch_mp/pipeline/p2p.h"
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/pipeline/simulate.h"
 #include "torch_mp/pipeline/split_backward.h"
+#include "torch_mp/pipeline/stage.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::pipeline {
-
-/// A stage: its forward (tensors in, tensors out) and the parameters its W computes gradients of.
-struct Stage {
-  std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward;
-  std::vector<at::Tensor> parameters;
-  /// For a data-parallel stage: arms its gradient reduction. The executor calls it once per
-  /// step, right before the stage's last backward that accumulates parameter gradients (its
-  /// last W, BW, or the B that runs the whole backward), so that the reduction runs once, over
-  /// every micro-batch's gradients, overlapped with that backward. `forward` must not arm it
-  /// (a DDP module runs its forwards under no_sync).
-  std::function<void()> arm_gradient_sync;
-};
-
-/// The loss of the last stage's outputs against a micro-batch's targets (a scalar, averaged over
-/// the micro-batch).
-using LossFn =
-    std::function<at::Tensor(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&)>;
 
 /// Walks this rank's action list of a schedule.
 ///
@@ -78,121 +73,99 @@ class Executor {
   void reset(GroupPtr group);
 
   /// What the last step did on this rank, with wall-clock times (seconds from its start).
-  const std::vector<TimedAction>& trace() const { return trace_; }
+  const std::vector<TimedAction>& trace() const { return step_.trace; }
+  /// The schedule this executor runs.
   const Schedule& schedule() const { return schedule_; }
   /// This rank in the pipeline group.
   int64_t rank() const { return rank_; }
   /// The pipeline group.
-  const GroupPtr& group() const { return group_; }
+  const GroupPtr& group() const { return mailbox_.group; }
   /// This Pipeline's id, the same on every rank of its group and different for every Pipeline
   /// (and reset) the group has run.
-  int64_t id() const { return pipeline_id_; }
+  int64_t id() const { return mailbox_.stamp.pipeline; }
 
  private:
-  // What one (stage, micro-batch) holds between its actions.
-  struct Slot {
-    std::vector<at::Tensor> inputs;        // stage inputs (leaves that require grad, in training)
-    std::vector<at::Tensor> outputs;       // stage outputs; {loss / m} on the last stage
-    std::vector<at::Tensor> output_grads;  // gradients of the outputs, from the next stage
-    std::vector<at::Tensor> input_grads;   // gradients of the inputs, for the previous stage
-    WeightWork weight_work;                // what B kept for W
-    bool weight_pending = false;           // B was split: W still has to run
-    // Last stage: the loss / m, computed from detached copies of the outputs (loss_inputs), so
-    // that backward through the loss runs once, before B, and never again at W (a loss such as
-    // vocab_parallel_cross_entropy turns its saved buffers into the gradient in place).
-    at::Tensor loss;
-    std::vector<at::Tensor> loss_inputs;
+  // What step() or eval_step() was given, and where eval_step collects the last stage's
+  // per-micro-batch outputs (null: nowhere).
+  struct StepArguments {
+    const std::vector<std::vector<at::Tensor>>& inputs;
+    const std::vector<std::vector<at::Tensor>>& targets;
+    bool train;
+    std::vector<std::vector<at::Tensor>>* outputs;
   };
-  // Runs `actions`; collects the last stage's per-micro-batch outputs into `outputs` if given.
-  std::optional<at::Tensor> run(const std::vector<Action>& actions,
-                                const std::vector<std::vector<at::Tensor>>& inputs,
-                                const std::vector<std::vector<at::Tensor>>& targets,
-                                bool train,
-                                std::vector<std::vector<at::Tensor>>* outputs);
-  void forward(const Action& a,
-               Slot& slot,
-               const std::vector<std::vector<at::Tensor>>& inputs,
-               const std::vector<std::vector<at::Tensor>>& targets,
-               bool train,
-               std::vector<std::vector<at::Tensor>>* outputs);
+  // What the running step holds; begin_step starts it afresh.
+  struct StepState {
+    std::map<std::pair<int64_t, int64_t>, Slot> slots;  // by (stage, micro-batch)
+    // Sends in flight, with the index of their action.
+    std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, size_t>> pending_sends;
+    // Receives posted ahead, by index in the action list: kRecvsAhead at a time, the next one
+    // posted as one is finished (so that data can arrive while the rank computes, without
+    // allocating every receive of the step at its start).
+    std::map<size_t, PendingRecv> posted_recvs;
+    size_t next_recv = 0;  // in ActionPlan::receives: the next receive to post
+    std::vector<at::Tensor> losses;
+    std::vector<bool> sync_armed;  // per local stage: its gradient sync was armed
+    std::vector<TimedAction> trace;
+  };
+  static constexpr size_t kRecvsAhead = 2;
+
+  // The run loop: the actions of `plan`, one handler each (execute), then the closing checks
+  // and the agreement of every rank on the step.
+  std::optional<at::Tensor> run(const ActionPlan& plan, const StepArguments& args);
+  void begin_step();
+  void execute(const ActionPlan& plan, size_t index, const StepArguments& args);
+  std::optional<at::Tensor> end_step();
+
+  // One handler per kind of action.
+  void receive(const ActionPlan& plan, size_t index, Slot& slot, bool train);
+  void send(const ActionPlan& plan, size_t index, Slot& slot);
+  void forward(const Action& a, Slot& slot, const StepArguments& args);
   void backward(const Action& a, size_t index, Slot& slot);
   void weight(const Action& a, size_t index, Slot& slot);
-  void before_accumulating(const Action& a, size_t index);
-  void require_finite(const std::vector<at::Tensor>& tensors,
-                      const Action& a,
-                      const char* what) const;
+
+  // What the handlers share.
+  void post_next_recv(const ActionPlan& plan);
+  // Waits for (and drops) the sends that the receive at `index` shows complete.
+  void release_sends(const ActionPlan& plan, size_t index);
+  void take_inputs(const Action& a, Slot& slot, const StepArguments& args);
+  void take_loss(const Action& a,
+                 Slot& slot,
+                 std::vector<at::Tensor> outputs,
+                 const StepArguments& args);
   std::vector<at::Tensor> gradients_for(const Action& a, Slot& slot);
-  // The message an action sends or receives, numbered alike on both ends (its channel), and
-  // the first of its tags in the running step.
-  int64_t message_of(const Action& a) const;
-  int tag(int64_t message) const;
-  // Posts the receive at `index` of `actions`.
-  void post(const std::vector<Action>& actions, size_t index);
-  std::string where(const Action& a) const;
+  // Arms the stage's gradient sync right before its last backward that accumulates.
+  void before_accumulating(const Action& a, size_t index);
+  void check_gradient_syncs_armed() const;
+  // require_finite, if set_check_finite(true).
+  void check_finite(const std::vector<at::Tensor>& tensors,
+                    const Action& a,
+                    const char* what) const;
+  // Raises on every rank unless the pipeline is the same on every rank; then unless the
+  // schedule fits the group and the stages.
+  void check_fits() const;
+  const Stage& local(int64_t stage) const;
+
+  // The failure protocol (failure.h; fail, abandon_in_flight and reset are in failure.cpp)
+  // after a failure at `index` of `plan`: failure markers in place of every message this rank
+  // still owed, the agreement unless the group is broken, and the error.
+  [[noreturn]] void fail(const ActionPlan& plan, size_t index, const PeerFailure& failure);
   // Drops the step's slots, keeping its in-flight sends and receives alive in orphans_ (a
   // failed step, reset): Gloo may still touch their buffers.
   void abandon_in_flight();
-  // Agrees on pipeline_id_ over the group (the constructor and reset).
-  void agree_on_id();
-  // Raises, on every rank, if another rank's step failed: one all-reduce of where failures
-  // began, then (only after a failure) the first one's text, broadcast from its rank.
-  void agree(const std::optional<PeerFailure>& failure);
-  // After a failure at `index` of `actions`: sends a failure marker in place of every message
-  // this rank still owed (so that its peers raise at once), agrees with the others unless the
-  // group is broken, and raises.
-  [[noreturn]] void fail(const std::vector<Action>& actions, size_t index, const PeerFailure& e);
-  // The failure an exception at `index` of `actions` means, named by rank, stage, micro-batch
-  // and action (and by the peer, for communication errors).
-  PeerFailure failure_of(const std::vector<Action>& actions,
-                         size_t index,
-                         const std::exception& e) const;
-  Stage& local(int64_t stage);
 
+  // What the executor runs (fixed at construction), and whether it checks for NaN and Inf.
   Schedule schedule_;
   std::vector<Stage> stages_;
   LossFn loss_;
-  GroupPtr group_;
-  int64_t rank_;
-  // Messages are bound to their Pipeline and step (p2p.h's MessageStamp and the tags), so a
-  // message left over from a failed step is never taken for a new one.
-  int64_t pipeline_id_ = 0;
-  int64_t steps_run_ = 0;
-  at::Device device_ = at::kCPU;
-  std::map<std::pair<int64_t, int64_t>, Slot> slots_;
-  // For the forward-only [0] and the training [1] action lists: after which receive (by index)
-  // which sends are known to be complete, so that their buffers go then.
-  std::map<size_t, std::vector<size_t>> released_by_[2];
-  // Sends in flight, with the index of their action.
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, size_t>> pending_sends_;
-  // This step's receives posted ahead, by index in the action list: kRecvsAhead at a time, the
-  // next one posted as one is finished (so that data can arrive while the rank computes,
-  // without allocating every receive of the step at its start).
-  static constexpr size_t kRecvsAhead = 2;
-  std::map<size_t, PendingRecv> posted_recvs_;
-  size_t next_recv_ = 0;  // index in the action list of the next receive to post
-  // What each end last passed through each message's channel (p2p.h), by message_of.
-  std::map<int64_t, Channel> send_channels_;
-  std::map<int64_t, Channel> recv_channels_;
-  std::vector<at::Tensor> losses_;
-  std::vector<TimedAction> trace_;
-  // Per local stage: the index in this rank's action list of its last BW, B and W, and whether
-  // its gradient sync was armed in the running step.
-  struct LastBackward {
-    size_t full = SIZE_MAX, input = SIZE_MAX, weight = SIZE_MAX;
-  };
-  std::vector<LastBackward> last_backward_;
-  std::vector<bool> sync_armed_;
+  int64_t rank_ = 0;
   bool check_finite_ = false;
+  // This rank's training (every action) and evaluation (forward only) action lists, analysed.
+  ActionPlan training_;
+  ActionPlan evaluation_;
+  Mailbox mailbox_;
+  StepState step_;
   bool broken_ = false;  // a step failed (here or on another rank): reset() before the next
-  // Failure markers still in flight, and groups replaced by reset() with the works that were
-  // pending on them: kept alive so that no buffer is freed under Gloo's threads.
-  std::vector<c10::intrusive_ptr<c10d::Work>> orphans_;
-  std::vector<GroupPtr> old_groups_;
+  Orphans orphans_;
 };
-
-/// Splits each tensor of `batch` along dim 0 into `num_microbatches` equal micro-batches:
-/// result[m] holds micro-batch m of every tensor. Raises if a batch size is not divisible.
-std::vector<std::vector<at::Tensor>> split_microbatches(const std::vector<at::Tensor>& batch,
-                                                        int64_t num_microbatches);
 
 }  // namespace torch_mp::pipeline

@@ -1,6 +1,9 @@
 """Training checkpoints: model, optimizer state and extra, saved from one layout and loaded into
-any other (tensor x pipeline x data parallel), crash-safe; the format of the C++ core
-(``csrc/torch_mp/checkpoint/shards.h``), which the C++ front end reads and writes too.
+any other (tensor x pipeline x data parallel), crash-safe; and the dense interchange file. The
+face of csrc/torch_mp/checkpoint/checkpoint.h: the format is the C++ core's
+(``csrc/torch_mp/checkpoint/shards.h``, specified in docs/checkpoint-format.md), which the C++
+front end reads and writes too, and ``export_dense`` / ``load_dense`` are the same algorithms as
+``torch_mp::checkpoint::export_dense`` / ``load_dense``.
 
 On disk, a directory: one safetensors file per pipeline and tensor rank (``shard-<pp>-<tp>``,
 written by data rank 0), holding that rank's parts of its tensors in the dense model's names
@@ -20,6 +23,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,9 +39,11 @@ from torch_mp.checkpoint.dense import (
     _raise_anywhere,
     _renamer,
 )
+from torch_mp.checkpoint.safetensors import load_file
 from torch_mp.mesh import Mesh, get_mesh
 
 EXTRA = "extra.pt"
+MODEL = "model/"  # the prefix of the model's tensors in a checkpoint (optim/ for the optimizer's)
 
 
 def _world_name() -> str:
@@ -126,7 +132,7 @@ def save(
     problems: list[str] = []
     with _collected(problems):
         named = _all_dense_tensors(model, rename)
-        shards += [_shard(f"model/{name}", tensor, tensor, mesh) for name, tensor, _ in named]
+        shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
         if optimizer is not None:
             _check_optimizer_named(optimizer, named)
             for name, p, is_parameter in named:
@@ -204,7 +210,7 @@ def load(
     problems: list[str] = []
     with _collected(problems):
         named = _all_dense_tensors(model, rename)
-        shards += [_shard(f"model/{name}", tensor, tensor, mesh) for name, tensor, _ in named]
+        shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
         if optimizer is not None:
             _check_hyperparameters(optimizer, metadata)
             states = _optimizer_shards(optimizer, named, reader.tensors, mesh, shards)
@@ -264,9 +270,9 @@ def _optimizer_shards(optimizer, named, saved: dict, mesh: Mesh, shards: list) -
     states = []
     for name, p, is_parameter in named:
         prefix = f"optim/{name}/"
-        if not is_parameter or f"model/{name}" not in saved:
+        if not is_parameter or MODEL + name not in saved:
             continue  # (a missing parameter is named by reader.load)
-        dense_shape = saved[f"model/{name}"][1]
+        dense_shape = saved[MODEL + name][1]
         for key, (dtype, shape) in saved.items():
             if not key.startswith(prefix):
                 continue
@@ -293,12 +299,74 @@ def _check_hyperparameters(optimizer: torch.optim.Optimizer, metadata: dict[str,
         )
 
 
-def consolidate(
-    source: str | os.PathLike, path: str | os.PathLike, *, prefix: str = "model/"
-) -> None:
+def consolidate(source: str | os.PathLike, path: str | os.PathLike, *, prefix: str = MODEL) -> None:
     """Writes the checkpoint ``source`` (a directory :func:`save` wrote, from any layout, or
     from C++) as one dense safetensors file at ``path``: the dense model's state dict, which
     its ``load_state_dict`` and :func:`load_dense` take. Not collective: this process reads
     every shard file. ``prefix="optim/"`` writes the optimizer's state instead, keyed
     ``<parameter>/<state>``."""
     _C.checkpoint.consolidate(os.fspath(source), os.fspath(path), prefix)
+
+
+def export_dense(
+    path: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    *,
+    rename: Rename | Sequence[Rename] = None,
+    mesh: Mesh | None = None,
+    metadata: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """Writes the whole model as one dense state dict, in the safetensors format, to ``path``.
+
+    Collective over every rank of the mesh. ``model`` is this rank's module or its pipeline
+    stage modules; ``rename`` (one for all, or one per module) maps their parameter names to
+    the dense model's, so that the file's keys are what the dense model's ``load_state_dict``
+    takes. As the C++ front end's ``torch_mp::checkpoint::export_dense`` does it: every rank
+    writes its parts beside the file (a checkpoint, as :func:`save` writes it, at
+    ``<path>.parts``), then rank 0 joins them (:func:`consolidate`), writing the file atomically
+    (a crash leaves the previous file whole), and removes the parts. ``metadata`` goes into the
+    file's header beside ``format: torch_mp dense``.
+
+    Returns:
+        The dense state dict on rank 0 (read back from the file), None elsewhere.
+
+    Raises:
+        RuntimeError: On every rank, if two stages give one name different values (a head
+            tied to an embedding that it no longer equals), naming it.
+    """
+    mesh = mesh or get_mesh()
+    path = os.fspath(path)
+    parts = path + ".parts"
+    save(parts, model, rename=rename, mesh=mesh)
+    problems: list[str] = []
+    first = dist.get_rank() == 0
+    if first:
+        with _collected(problems):
+            _C.checkpoint.consolidate(parts, path, MODEL, dict(metadata or {}))
+            shutil.rmtree(parts)
+    _raise_anywhere(problems, f"torch_mp.checkpoint.export_dense to {path} failed", None)
+    return load_file(path)[0] if first else None
+
+
+def load_dense(
+    path: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    *,
+    rename: Rename | Sequence[Rename] = None,
+    mesh: Mesh | None = None,
+) -> None:
+    """Loads a dense safetensors file (:func:`export_dense`'s, or one written from a dense
+    model's ``state_dict``) into ``model`` of any layout: this rank's module or pipeline stages,
+    with ``rename`` as for :func:`export_dense`. Collective over every rank; each reads only
+    the blocks of the tensors it holds, straight into them (``torch_mp::checkpoint::load_dense``
+    does the same). A missing or misshapen tensor raises on every rank, naming it, before
+    anything changes."""
+    mesh = mesh or get_mesh()
+    reader = _C.checkpoint.Reader(os.fspath(path), _world_name(), MODEL)
+    shards: list = []
+    problems: list[str] = []
+    with _collected(problems):
+        named = _all_dense_tensors(model, rename)
+        shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
+    _raise_anywhere(problems, f"torch_mp.checkpoint: cannot load {reader.path}", None)
+    reader.load(shards, _world_name())

@@ -1,0 +1,125 @@
+// Writing a checkpoint: shard files, root files and the index, published at once
+// (shard_writer.h).
+
+#include "torch_mp/checkpoint/shard_writer.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <filesystem>
+
+#include "torch_mp/checkpoint/atomic_files.h"
+#include "torch_mp/checkpoint/index.h"
+#include "torch_mp/checkpoint/problems.h"
+#include "torch_mp/checkpoint/safetensors.h"
+
+namespace torch_mp::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Adds every block of `shard` to `tensors`, each under its key.
+void add_blocks(const Shard& shard, TensorMap& tensors) {
+  for (const auto& block : shard.blocks()) {
+    const auto key = block_key(shard.name, shard.dim, block.dense_begin);
+    const auto part =
+        shard.dim ? shard.tensor.narrow(*shard.dim, block.local_begin, block.length) : shard.tensor;
+    const auto known = tensors.find(key);
+    if (known == tensors.end()) {
+      tensors.emplace(key, part);
+      continue;
+    }
+    // The same name twice on this rank: a tied copy (equal), or a rename that is missing.
+    TORCH_CHECK(known->second.sizes() == part.sizes() && known->second.equal(part),
+                "two different tensors of this rank are both named ",
+                shard.name,
+                " (does a stage's rename to the dense model's names miss them?)");
+  }
+}
+
+// Writes this rank's `shards` into the shard file `path`: its blocks, and every name's dense
+// shape in the metadata. A whole tensor is written by rank 0 of the group it is replicated over.
+void write_shard_file(const std::vector<Shard>& shards, const std::string& path) {
+  TensorMap tensors;
+  std::map<std::string, std::string> shapes{{"format", std::string(kFormat) + " shard"}};
+  for (const auto& shard : shards) {
+    if (!shard.dim && shard.rank != 0) {
+      continue;  // a whole tensor: one rank of its group writes it
+    }
+    TORCH_CHECK(shard.name.find('@') == std::string::npos,
+                "tensor names may not contain '@' (",
+                shard.name,
+                ")");
+    shapes.emplace(shard.name, shape_text(shard.dense_shape()));
+    add_blocks(shard, tensors);
+  }
+  save_file(tensors, path, shapes);
+}
+
+// Rank 0, once every rank wrote its shard file into `partial`: the root files, then the index
+// (which must list only files written), then `partial` moved into place as `path`.
+void publish(const std::string& partial,
+             const std::string& path,
+             const std::string& tag,
+             const Index& index,
+             const std::map<std::string, std::string>& root_files) {
+  for (const auto& [name, contents] : root_files) {
+    write_durably((fs::path(partial) / name).string(), contents);
+  }
+  for (const auto& file : index.files) {
+    TORCH_CHECK(fs::exists(fs::path(partial) / file), "no rank wrote ", file);
+  }
+  write_durably((fs::path(partial) / kIndex).string(), index_text(index));
+  fsync_path(partial);
+  move_into_place(partial, path, tag);
+}
+
+}  // namespace
+
+std::string shard_file(int64_t pp, int64_t tp) {
+  return "shard-" + std::to_string(pp) + "-" + std::to_string(tp) + ".safetensors";
+}
+
+void save(const std::string& path_in,
+          const std::vector<Shard>& shards,
+          const std::optional<std::string>& file,
+          const std::vector<std::string>& files,
+          const std::map<std::string, std::string>& metadata,
+          const std::map<std::string, std::string>& root_files,
+          const GroupPtr& group) {
+  const std::string what = "torch_mp::checkpoint::save of " + path_in + " failed";
+  const std::string path = fs::absolute(path_in).lexically_normal().string();
+  const bool root = !group || group->getRank() == 0;
+  const std::string tag = save_tag(group);
+  const std::string partial = partial_path(path, tag);
+  std::vector<std::string> problems;
+  if (root) {
+    collect_problems(problems, [&] {
+      remove_leftovers(path, kIndex);
+      fs::create_directories(partial);
+    });
+  }
+  raise_anywhere(problems, what, group);
+
+  if (file) {
+    collect_problems(problems,
+                     [&] { write_shard_file(shards, (fs::path(partial) / *file).string()); });
+  }
+  auto failure = failure_anywhere(problems, what, group);
+  if (!failure) {
+    if (root) {
+      collect_problems(problems,
+                       [&] { publish(partial, path, tag, Index{files, metadata}, root_files); });
+    }
+    failure = failure_anywhere(problems, what, group);
+  }
+  if (failure) {
+    if (root) {
+      std::error_code ignored;
+      fs::remove_all(partial, ignored);
+    }
+    TORCH_CHECK(false, *failure);
+  }
+}
+
+}  // namespace torch_mp::checkpoint

@@ -1,0 +1,36 @@
+#pragma once
+// Writing a checkpoint: each rank its shard file, then rank 0 the root files and the index, the
+// whole published at once (atomic_files.h).
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torch_mp/checkpoint/shard_geometry.h"
+#include "torch_mp/process_groups.h"
+
+namespace torch_mp::checkpoint {
+
+/// The file name of the pipeline rank `pp`'s tensor rank `tp` in a checkpoint.
+std::string shard_file(int64_t pp, int64_t tp);
+
+/// Writes the checkpoint directory `path`: this rank's `shards` into `file` (none when nullopt:
+/// a data-parallel replica), then, on rank 0 of `group`, `root_files` (name -> contents) and
+/// `index.json` listing `files` (every shard file the checkpoint has) with `metadata`.
+/// Collective over `group` (every rank that holds the model).
+///
+/// Crash-safe: everything is written into a directory beside `path`, which replaces `path` (an
+/// earlier checkpoint is set aside first and removed last) only once every rank has written its
+/// file; at every moment `path`, or the earlier checkpoint set aside, is complete. A failure on
+/// any rank raises on every rank, naming it, and leaves `path` as it was.
+void save(const std::string& path,
+          const std::vector<Shard>& shards,
+          const std::optional<std::string>& file,
+          const std::vector<std::string>& files,
+          const std::map<std::string, std::string>& metadata,
+          const std::map<std::string, std::string>& root_files,
+          const GroupPtr& group);
+
+}  // namespace torch_mp::checkpoint
