@@ -122,8 +122,7 @@ void check_same_text_across_ranks(const std::string& text,
 }
 
 void check_replicated(const at::Tensor& x, const GroupPtr& group, const std::string& what) {
-  if (!collective_checks || inside_check || !group || group->getSize() == 1 ||
-      !holds_values(x)) {
+  if (!collective_checks || inside_check || !group || group->getSize() == 1 || !holds_values(x)) {
     return;
   }
   // Replicated tensors are computed alike on every rank: compare their bytes (two checksums).

@@ -47,9 +47,7 @@ at::Tensor split(const at::Tensor& x, int64_t dim, const std::string& group) {
 
 // ---- the six autograd functions ---------------------------------------------------------------
 
-std::string saved_group(AutogradContext* ctx) {
-  return ctx->saved_data.at("group").toStringRef();
-}
+std::string saved_group(AutogradContext* ctx) { return ctx->saved_data.at("group").toStringRef(); }
 
 struct CopyToTp : torch::autograd::Function<CopyToTp> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const std::string& group) {

@@ -1,7 +1,7 @@
 #pragma once
-// How a parameter is laid out over the mesh (DESIGN.md §5): sharded along a dim over a group, or
-// replicated over it. Norms, clipping and checkpoints read the layout instead of guessing from
-// module classes.
+// How a parameter is laid out over the mesh (docs/design.md §5.2): sharded along a dim over a
+// group, or replicated over it. Norms, clipping and checkpoints read the layout instead of guessing
+// from module classes.
 //
 // Layouts live in a registry keyed by the parameter's TensorImpl, so both front ends see them:
 // the C++ modules register theirs in reset(), the Python modules theirs whenever their

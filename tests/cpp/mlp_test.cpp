@@ -31,7 +31,8 @@ TEST_P(TensorParallel, MLPShardsTorchMpsDenseMLPOutputAndGradients) {
   on_every_rank(world(), [](const Mesh& mesh) {
     const std::string where = "rank " + std::to_string(mesh.rank);
     auto mlp = seeded_mlp();
-    auto parallel = ParallelMLPImpl::from_dense(mlp, ParallelMLPOptions(8, 16).group(mesh.tp_group));
+    auto parallel =
+        ParallelMLPImpl::from_dense(mlp, ParallelMLPOptions(8, 16).group(mesh.tp_group));
     EXPECT_EQ(parallel->options.activation(), "relu") << where;
     const at::Tensor input = at::randn({5, 2, 8}, seeded_generator(92));
     const at::Tensor dense_x = input.clone().requires_grad_(true);
@@ -53,22 +54,21 @@ TEST_P(TensorParallel, MLPShardsTorchMpsDenseMLPOutputAndGradients) {
 
 TEST_P(TensorParallel, TheMLPOperatorIsTheModulesForward) {
   on_every_rank(world(), [](const Mesh& mesh) {
-    auto parallel = ParallelMLPImpl::from_dense(seeded_mlp(),
-                                                ParallelMLPOptions(8, 16).group(mesh.tp_group));
+    auto parallel =
+        ParallelMLPImpl::from_dense(seeded_mlp(), ParallelMLPOptions(8, 16).group(mesh.tp_group));
     const at::Tensor x = at::randn({5, 2, 8}, seeded_generator(93));
-    const auto op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("torch_mp::parallel_mlp", "")
-            .typed<at::Tensor(const at::Tensor&,
-                              const at::Tensor&,
-                              const std::optional<at::Tensor>&,
-                              const at::Tensor&,
-                              const std::optional<at::Tensor>&,
-                              c10::string_view,
-                              double,
-                              bool,
-                              bool,
-                              c10::string_view)>();
+    const auto op = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("torch_mp::parallel_mlp", "")
+                        .typed<at::Tensor(const at::Tensor&,
+                                          const at::Tensor&,
+                                          const std::optional<at::Tensor>&,
+                                          const at::Tensor&,
+                                          const std::optional<at::Tensor>&,
+                                          c10::string_view,
+                                          double,
+                                          bool,
+                                          bool,
+                                          c10::string_view)>();
     const auto through_operator = op.call(x,
                                           parallel->fc1->weight,
                                           parallel->fc1->bias,

@@ -1,5 +1,5 @@
 #pragma once
-// Runs this rank's part of a pipeline schedule on real stages (DESIGN.md §4, "Execute").
+// Runs this rank's part of a pipeline schedule on real stages (docs/design.md §4.4, "Execute").
 //
 // The executor is an interpreter of the rank's action list (action_plan.h): each action goes to
 // one handler, which computes on a stage (stage.h) or passes a message (mailbox.h). A failure on

@@ -86,9 +86,8 @@ at::Tensor attention_heads(const at::Tensor& qkv,
   const auto q = heads(parts[0]);
   const auto k = heads(parts[1]);
   const auto v = heads(parts[2]);
-  const auto context = dropout_p > 0
-                           ? attention_with_dropout(q, k, v, mask, causal, dropout_p)
-                           : at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal);
+  const auto context = dropout_p > 0 ? attention_with_dropout(q, k, v, mask, causal, dropout_p)
+                                     : at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal);
   return context.permute({2, 0, 1, 3}).reshape_symint({s, b, width});
 }
 

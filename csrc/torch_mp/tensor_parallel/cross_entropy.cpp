@@ -22,10 +22,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The two passes over the shard. Shapes and meanings as in csrc/torch_mp/tensor_parallel/cross_entropy_cuda.h:
-// forward returns exp(z - max) (0 on padding) and per-row [sum exp, target logit - max,
-// sum (z - max)]; backward turns the exp buffer into the gradient in place.
-// The type sums are taken in: float for float, half and bfloat16 logits, double for double.
+// The two passes over the shard. Shapes and meanings as in
+// csrc/torch_mp/tensor_parallel/cross_entropy_cuda.h: forward returns exp(z - max) (0 on padding)
+// and per-row [sum exp, target logit - max, sum (z - max)]; backward turns the exp buffer into the
+// gradient in place. The type sums are taken in: float for float, half and bfloat16 logits, double
+// for double.
 at::ScalarType accumulate_type(const at::Tensor& logits) {
   return at::toOpMathType(logits.scalar_type());
 }
@@ -214,8 +215,7 @@ void backward_kernel_(at::Tensor& exp_logits,
                       double smoothing,
                       int64_t vocab_size,
                       int64_t real_columns) {
-  backward_pass_(
-      exp_logits, sum_exp, target_local, row_scale, smoothing, vocab_size, real_columns);
+  backward_pass_(exp_logits, sum_exp, target_local, row_scale, smoothing, vocab_size, real_columns);
 }
 
 void backward_meta_(at::Tensor&,
@@ -237,16 +237,17 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
                             int64_t vocab_size,
                             int64_t reduction,
                             const std::string& problem) {
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("torch_mp::vocab_parallel_cross_entropy_forward", "")
-                               .typed<Forward(const at::Tensor&,
-                                              const at::Tensor&,
-                                              int64_t,
-                                              double,
-                                              int64_t,
-                                              int64_t,
-                                              c10::string_view,
-                                              c10::string_view)>();
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torch_mp::vocab_parallel_cross_entropy_forward", "")
+            .typed<Forward(const at::Tensor&,
+                           const at::Tensor&,
+                           int64_t,
+                           double,
+                           int64_t,
+                           int64_t,
+                           c10::string_view,
+                           c10::string_view)>();
     auto [loss, exp_logits, sum_exp, target_local] = op.call(
         logits, target, ignore_index, smoothing, vocab_size, reduction, problem, group_name(group));
     ctx->save_for_backward({exp_logits, sum_exp, target_local, target.eq(ignore_index)});

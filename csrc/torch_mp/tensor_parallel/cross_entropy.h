@@ -5,8 +5,8 @@
 // Forward: the row max (one MAX all-reduce), then one pass over the shard for the sum of exp, the
 // target's logit and the sum of logits (one SUM all-reduce of [rows, 3]). The exp values are kept
 // for backward, which turns them into the gradient in place (one pass). On CUDA tensors both
-// passes are fused kernels (csrc/torch_mp/tensor_parallel/cross_entropy_cuda.cu) when torch_mp was built with
-// CUDA; the ATen code here is the CPU path and the reference.
+// passes are fused kernels (csrc/torch_mp/tensor_parallel/cross_entropy_cuda.cu) when torch_mp was
+// built with CUDA; the ATen code here is the CPU path and the reference.
 
 #include <ATen/core/Reduction.h>
 #include <ATen/core/Tensor.h>

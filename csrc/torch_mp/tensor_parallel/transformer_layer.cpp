@@ -101,8 +101,8 @@ void ParallelTransformerLayerImpl::reset() {
   check_parallel_transformer_layer(o.norm_first(), o.layer_norm_eps(), o.group());
   const auto norm_options = torch::nn::LayerNormOptions({o.hidden_size()}).eps(o.layer_norm_eps());
   norm1 = register_module("norm1", torch::nn::LayerNorm(norm_options));
-  self_attn = register_module("self_attn",
-                              ParallelSelfAttentionImpl::uninitialised(attention_options(o)));
+  self_attn =
+      register_module("self_attn", ParallelSelfAttentionImpl::uninitialised(attention_options(o)));
   norm2 = register_module("norm2", torch::nn::LayerNorm(norm_options));
   mlp = register_module("mlp", ParallelMLPImpl::uninitialised(mlp_options(o)));
   for (const auto& p : norm1->parameters()) {
@@ -212,13 +212,12 @@ at::Tensor parallel_transformer_layer_op(const at::Tensor& x,
                            .bias(qkv_bias.has_value())
                            .sequence_parallel(sequence_parallel)
                            .group(group);
-  const TransformerLayerParameters parameters{
-      norm1_weight,
-      norm1_bias,
-      {qkv_weight, qkv_bias, proj_weight, proj_bias},
-      norm2_weight,
-      norm2_bias,
-      {fc1_weight, fc1_bias, fc2_weight, fc2_bias}};
+  const TransformerLayerParameters parameters{norm1_weight,
+                                              norm1_bias,
+                                              {qkv_weight, qkv_bias, proj_weight, proj_bias},
+                                              norm2_weight,
+                                              norm2_bias,
+                                              {fc1_weight, fc1_bias, fc2_weight, fc2_bias}};
   return parallel_transformer_layer(x, parameters, options, attn_mask, is_causal, training);
 }
 
