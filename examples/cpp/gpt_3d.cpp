@@ -5,15 +5,16 @@
 //       --tp 2 --pp 2 --dp 2 --schedule 1f1b [--sequence-parallel] [--steps N] [--check] \
 //       [--save-every N --checkpoint DIR] [--resume] [--probe FILE]
 //
-// The model: token and learned position embeddings, post-LN torch::nn::TransformerEncoderLayers
-// under a causal mask (LibTorch's layers have no pre-LN option), and an output head tied to the
-// token embedding; trained character by character on the repository's README (read from the
-// working directory) with AdamW and clipping.
+// The model is gpt.h's (torch_mp.models.gpt's twin): token and learned position embeddings,
+// pre-LN transformer layers under a causal mask, a final LayerNorm and an output head tied to the
+// token embedding; trained byte by byte on the repository's README (read from the working
+// directory) with AdamW and clipping.
 //
 // - tensor: VocabParallelEmbedding, ParallelTransformerLayer (heads and MLP split; with
 //   --sequence-parallel also the LayerNorms and residuals), vocab_parallel_cross_entropy;
 // - pipeline: the layers cut into one stage per pipeline rank; the first stage holds the
-//   embeddings, the last the head, a copy of the embedding tied to it (Pipeline::tie_parameters);
+//   embeddings, the last the final norm and the head, a copy of the embedding tied to it
+//   (Pipeline::tie_parameters);
 // - data: every stage wrapped in torch_mp::DataParallel, each data rank given its share of the
 //   batch; torch_mp::clip_grad_norm_ clips by the norm of the whole model.
 //
@@ -36,18 +37,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
-#include <limits>
 #include <map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-namespace {
+#include "gpt.h"
 
-namespace tp = torch_mp::tensor_parallel;
+namespace {
 
 constexpr double kLossTolerance = 1e-5;
 constexpr double kParameterTolerance = 1e-4;
@@ -102,142 +100,14 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-/// The README's characters as token ids, cut into the same random windows on every rank.
-struct Corpus {
-  explicit Corpus(const std::string& path) {
-    std::ifstream file(path, std::ios::binary);
-    if (!file) {
-      throw std::runtime_error("gpt_3d: cannot read " + path + " (run from the repository root)");
-    }
-    const std::string text{std::istreambuf_iterator<char>(file), {}};
-    std::vector<int64_t> index(256, -1);
-    for (unsigned char c : text) {
-      index[c] = 0;
-    }
-    for (int c = 0; c < 256; ++c) {
-      if (index[c] == 0) {
-        index[c] = vocab++;
-      }
-    }
-    std::vector<int64_t> data;
-    for (unsigned char c : text) {
-      data.push_back(index[c]);
-    }
-    ids = torch::tensor(data, torch::kLong);
-  }
-
-  /// Windows for `step`: inputs and next-token targets, each [batch, seq].
-  std::pair<torch::Tensor, torch::Tensor> batch(int step, int64_t batch, int64_t seq) const {
-    auto generator = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
-    const auto starts = torch::randint(ids.size(0) - seq - 1, {batch}, generator, torch::kLong);
-    std::vector<torch::Tensor> windows;
-    for (int64_t i = 0; i < batch; ++i) {
-      windows.push_back(
-          ids.slice(0, starts[i].item<int64_t>(), starts[i].item<int64_t>() + seq + 1));
-    }
-    const auto all = torch::stack(windows);
-    return {all.slice(1, 0, seq), all.slice(1, 1, seq + 1)};
-  }
-
-  torch::Tensor ids;
-  int64_t vocab = 0;
-};
-
-/// The one-process model, on [b, s] token ids; returns [s, b, vocab] logits.
-struct DenseGptImpl : torch::nn::Module {
-  DenseGptImpl(int64_t vocab, const Args& a) {
-    tok = register_module("tok", torch::nn::Embedding(vocab, a.hidden));
-    pos = register_module("pos", torch::nn::Embedding(a.seq, a.hidden));
-    for (int64_t i = 0; i < a.layers; ++i) {
-      layers.push_back(
-          register_module("layer" + std::to_string(i),
-                          torch::nn::TransformerEncoderLayer(
-                              torch::nn::TransformerEncoderLayerOptions(a.hidden, a.heads)
-                                  .dim_feedforward(a.ffn)
-                                  .dropout(0.0)
-                                  .activation(torch::kGELU))));
-    }
-    torch::NoGradGuard no_grad;
-    tok->weight.normal_(0.0, 0.02);
-  }
-
-  torch::Tensor forward(const torch::Tensor& tokens) {
-    const auto t = tokens.t();
-    const int64_t s = t.size(0);
-    auto x = tok(t) + pos(torch::arange(s)).unsqueeze(1);
-    const auto mask =
-        torch::full({s, s}, -std::numeric_limits<float>::infinity()).triu(1);  // causal
-    for (auto& layer : layers) {
-      x = layer(x, mask);
-    }
-    return torch::matmul(x, tok->weight.t());
-  }
-
-  torch::nn::Embedding tok = nullptr;
-  torch::nn::Embedding pos = nullptr;
-  std::vector<torch::nn::TransformerEncoderLayer> layers;
-};
-TORCH_MODULE(DenseGpt);
-
-/// One pipeline stage of DenseGpt, tensor-parallel: layers [first_layer, first_layer + count),
-/// plus the embeddings on the first stage and the (tied) head on the last. Stages pass [s, b, h]
-/// activations ([s / t, b, h] under sequence parallelism); the last returns this rank's
-/// [s, b, ceil(vocab / t)] slice of the logits.
-struct GptStageImpl : torch::nn::Module {
-  GptStageImpl(const DenseGpt& dense,
-               int64_t first_layer,
-               int64_t count,
-               bool first,
-               bool last,
-               bool sequence_parallel,
-               torch_mp::GroupPtr group)
-      : first(first), last(last), sequence_parallel(sequence_parallel), group(std::move(group)) {
-    if (first) {
-      tok = register_module("tok",
-                            tp::VocabParallelEmbeddingImpl::from_dense(dense->tok, this->group));
-      pos = register_module("pos",
-                            torch::nn::Embedding::from_pretrained(
-                                dense->pos->weight.detach().clone(),
-                                torch::nn::EmbeddingFromPretrainedOptions().freeze(false)));
-    }
-    for (int64_t i = first_layer; i < first_layer + count; ++i) {
-      layers.push_back(register_module("layer" + std::to_string(i),
-                                       tp::ParallelTransformerLayerImpl::from_dense(
-                                           dense->layers[i], this->group, sequence_parallel)));
-    }
-    if (last) {
-      head = first
-                 ? tok
-                 : register_module(
-                       "head", tp::VocabParallelEmbeddingImpl::from_dense(dense->tok, this->group));
-    }
-  }
-
-  torch::Tensor forward(const torch::Tensor& input) {
-    auto x = input;
-    if (first) {
-      x = tok(input.t()) + pos(torch::arange(input.size(1))).unsqueeze(1);
-      if (sequence_parallel) {
-        x = torch_mp::scatter_to_tp(x, group, 0);  // this rank's chunk of the sequence
-      }
-    }
-    for (auto& layer : layers) {
-      x = layer->forward(x, /*attn_mask=*/{}, /*is_causal=*/true);
-    }
-    if (!last) {
-      return x;
-    }
-    x = sequence_parallel ? torch_mp::gather_from_sp(x, group, 0) : torch_mp::copy_to_tp(x, group);
-    return torch::matmul(x, head->weight.t());
-  }
-
-  bool first, last, sequence_parallel;
-  torch_mp::GroupPtr group;
-  tp::VocabParallelEmbedding tok = nullptr, head = nullptr;
-  torch::nn::Embedding pos = nullptr;
-  std::vector<tp::ParallelTransformerLayer> layers;
-};
-TORCH_MODULE(GptStage);
+gpt::Config config_of(const Args& a, int64_t vocab) {
+  return {.vocab = vocab,
+          .seq = a.seq,
+          .hidden = a.hidden,
+          .heads = a.heads,
+          .ffn = a.ffn,
+          .layers = a.layers};
+}
 
 std::string progress(int step, int steps, double loss, double tokens_per_s) {
   const int done = static_cast<int>(std::lround(20.0 * step / steps));
@@ -254,7 +124,7 @@ std::string progress(int step, int steps, double loss, double tokens_per_s) {
 /// Writes `a.probe`: a batch of tokens and the logits of the dense model holding the stages'
 /// weights (exported to a dense file, rebuilt on rank 0).
 void write_probe(const Args& a,
-                 const Corpus& corpus,
+                 const gpt::Corpus& corpus,
                  const std::vector<torch_mp::checkpoint::Stage>& stages,
                  const std::shared_ptr<torch_mp::Mesh>& mesh) {
   const std::string exported = a.probe + ".model.safetensors";
@@ -262,7 +132,7 @@ void write_probe(const Args& a,
   if (mesh->rank != 0) {
     return;
   }
-  DenseGpt dense(corpus.vocab, a);
+  gpt::DenseGpt dense(config_of(a, corpus.vocab));
   const auto weights = torch_mp::checkpoint::load_file(exported);
   torch::NoGradGuard no_grad;
   for (auto& item : dense->named_parameters()) {
@@ -281,13 +151,14 @@ int run(int argc, char** argv) {
   }
   const auto mesh = torch_mp::init(options);
   const bool is_rank0 = mesh->rank == 0;
-  const Corpus corpus("README.md");
+  const gpt::Corpus corpus("README.md");
+  const auto config = config_of(a, corpus.vocab);
 
   torch::manual_seed(0);  // the same dense model on every rank
-  DenseGpt dense(corpus.vocab, a);
-  DenseGpt reference = nullptr;
+  gpt::DenseGpt dense(config);
+  gpt::DenseGpt reference = nullptr;
   if (a.check) {
-    reference = DenseGpt(corpus.vocab, a);
+    reference = gpt::DenseGpt(config);
     torch::NoGradGuard no_grad;
     const auto from = dense->named_parameters();
     for (auto& item : reference->named_parameters()) {
@@ -296,21 +167,18 @@ int run(int argc, char** argv) {
   }
   TORCH_CHECK(a.layers % a.pp == 0, "gpt_3d: --layers must be divisible by --pp");
   const int64_t per_stage = a.layers / a.pp, stage = mesh->pp_rank();
-  GptStage mine(dense,
-                stage * per_stage,
-                per_stage,
-                stage == 0,
-                stage == a.pp - 1,
-                a.sequence_parallel,
-                mesh->tp_group);
+  gpt::GptStage mine(dense,
+                     stage * per_stage,
+                     per_stage,
+                     stage == 0,
+                     stage == a.pp - 1,
+                     a.sequence_parallel,
+                     mesh->tp_group);
   torch_mp::DataParallel wrapped(mine, torch_mp::DataParallelOptions().group(mesh->dp_group));
-  const int64_t vocab = corpus.vocab;
-  const auto group = mesh->tp_group;
   torch_mp::pipeline::Pipeline pipe(
       {torch_mp::pipeline::stage_of(wrapped)},
-      [vocab, group](const std::vector<at::Tensor>& logits, const std::vector<at::Tensor>& target) {
-        return tp::vocab_parallel_cross_entropy(
-            logits[0], target[0].t(), group, -100, 0.0, at::Reduction::Mean, vocab);
+      [mine](const std::vector<at::Tensor>& logits, const std::vector<at::Tensor>& target) {
+        return mine->loss(logits[0], target[0]);
       },
       torch_mp::pipeline::PipelineOptions()
           .schedule(a.schedule)
@@ -334,16 +202,15 @@ int run(int argc, char** argv) {
         "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel\n",
         static_cast<long long>(a.layers),
         static_cast<long long>(a.hidden),
-        static_cast<long long>(vocab),
+        static_cast<long long>(config.vocab),
         static_cast<long long>(mesh->tp_size()),
         static_cast<long long>(mesh->pp_size()),
         static_cast<long long>(mesh->dp_size()),
         a.schedule.c_str(),
         a.sequence_parallel ? "on" : "off");
   }
-  // The stage's names are DenseGpt's, but for the head: the token table it is tied to.
-  const std::vector<torch_mp::checkpoint::Stage> stages{
-      {mine.ptr(), {{"head.weight", "tok.weight"}}}};
+  // Saved and loaded under DenseGpt's names.
+  const std::vector<torch_mp::checkpoint::Stage> stages{{mine.ptr(), mine->dense_names()}};
   int first_step = 1;
   if (a.resume && std::filesystem::exists(a.checkpoint)) {
     TORCH_CHECK(!a.check, "gpt_3d: --check trains the reference from step 1; not with --resume");
@@ -380,8 +247,7 @@ int run(int argc, char** argv) {
         progress(step, a.steps, value, global_batch * a.seq * (step - first_step + 1) / seconds);
     if (a.check) {
       reference_optimizer->zero_grad();
-      const auto expected = torch::nn::functional::cross_entropy(
-          reference->forward(inputs).flatten(0, 1), target.t().flatten());
+      const auto expected = gpt::dense_loss(reference->forward(inputs), target);
       expected.backward();
       torch::nn::utils::clip_grad_norm_(reference->parameters(), a.clip);
       reference_optimizer->step();

@@ -3,7 +3,7 @@ compares it with the same model trained on one process.
 
 The model is torch_mp.models.gpt's (token and learned position embeddings, pre-LN transformer
 layers under a causal mask, a final LayerNorm and an output head tied to the token embedding),
-trained character by character on this repository's README with AdamW and gradient clipping
+trained byte by byte on this repository's README with AdamW and gradient clipping
 (torch_mp.models.gpt_training).
 
 - Tensor parallelism (``--tp``): the vocabulary (embedding rows, logits, loss), the attention

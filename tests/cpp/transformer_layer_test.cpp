@@ -1,4 +1,5 @@
-// ParallelTransformerLayer against the dense LibTorch layer computed in the same thread without
+// ParallelTransformerLayer against the dense layers it shards (LibTorch's, and
+// torch_mp::dense::TransformerLayer pre-LN without biases), computed in the same thread without
 // any parallelism.
 
 #include "torch_mp/tensor_parallel/transformer_layer.h"
@@ -7,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/modules/transformerlayer.h>
 
+#include <limits>
 #include <string>
 
 #include "tensor_checks.h"
@@ -30,14 +32,28 @@ torch::nn::TransformerEncoderLayer seeded_transformer_layer() {
   return dense;
 }
 
+/// Pre-LN, no biases, gelu: the layers of torch_mp.models.DenseGPT.
+dense::TransformerLayer seeded_pre_ln_layer() {
+  dense::TransformerLayer layer(dense::TransformerLayerOptions(kModel, 4, 32)
+                                    .dropout(0.0)
+                                    .activation("gelu")
+                                    .norm_first(true)
+                                    .bias(false));
+  randomise_parameters(*layer, 74, 0.5);
+  return layer;
+}
+
 /// The layer sharded from a dense one against it. Under sequence parallelism rank r feeds rows
 /// [r * s / t, (r + 1) * s / t) of x and gets the same rows of the output and input gradient.
-void check_transformer_layer_matches_dense(const Mesh& mesh, bool sequence_parallel) {
-  auto dense = seeded_transformer_layer();
+template <typename DenseLayer>
+void check_transformer_layer_matches_dense(const Mesh& mesh,
+                                           DenseLayer dense,
+                                           bool sequence_parallel,
+                                           const at::Tensor& mask = {}) {
   const at::Tensor input = at::randn({kSeq, 2, kModel}, seeded_generator(72));
   const at::Tensor upstream = at::randn({kSeq, 2, kModel}, seeded_generator(73));
   const at::Tensor dense_x = input.clone().requires_grad_(true);
-  const at::Tensor dense_y = dense(dense_x);
+  const at::Tensor dense_y = dense->forward(dense_x, mask);
   dense_y.backward(upstream);
 
   auto layer = ParallelTransformerLayerImpl::from_dense(dense, mesh.tp_group, sequence_parallel);
@@ -45,7 +61,7 @@ void check_transformer_layer_matches_dense(const Mesh& mesh, bool sequence_paral
     return sequence_parallel ? chunk_of(full, 0, mesh) : full;
   };
   const at::Tensor x = rows(input).clone().requires_grad_(true);
-  const at::Tensor y = layer(x);
+  const at::Tensor y = layer(x, mask);
   y.backward(rows(upstream));
 
   const std::string where = std::string(sequence_parallel ? "sequence parallel" : "replicated") +
@@ -55,12 +71,16 @@ void check_transformer_layer_matches_dense(const Mesh& mesh, bool sequence_paral
   // Replicated parameters: the whole dense gradient on every rank.
   EXPECT_TRUE(close(layer->norm1->weight.grad(), dense->norm1->weight.grad()))
       << "norm1 weight grad, " << where;
-  EXPECT_TRUE(close(layer->norm1->bias.grad(), dense->norm1->bias.grad()))
-      << "norm1 bias grad, " << where;
   EXPECT_TRUE(close(layer->norm2->weight.grad(), dense->norm2->weight.grad()))
       << "norm2 weight grad, " << where;
-  EXPECT_TRUE(close(layer->self_attn->proj->bias.grad(), dense->self_attn->out_proj->bias.grad()))
-      << "attention output bias grad, " << where;
+  ASSERT_EQ(layer->norm1->bias.defined(), dense->norm1->bias.defined()) << where;
+  ASSERT_EQ(layer->self_attn->proj->bias.defined(), dense->self_attn->out_proj->bias.defined());
+  if (dense->norm1->bias.defined()) {
+    EXPECT_TRUE(close(layer->norm1->bias.grad(), dense->norm1->bias.grad()))
+        << "norm1 bias grad, " << where;
+    EXPECT_TRUE(close(layer->self_attn->proj->bias.grad(), dense->self_attn->out_proj->bias.grad()))
+        << "attention output bias grad, " << where;
+  }
   // This rank's heads: rows [r h / t, (r + 1) h / t) of each of Q, K and V.
   const at::Tensor qkv_grad = dense->self_attn->in_proj_weight.grad().view({3, kModel, kModel});
   EXPECT_TRUE(close(layer->self_attn->qkv->weight.grad(),
@@ -79,13 +99,34 @@ void check_transformer_layer_matches_dense(const Mesh& mesh, bool sequence_paral
 
 TEST_P(TensorParallel, TransformerLayerFromDenseMatchesDenseOutputAndGradients) {
   on_every_rank(world(), [](const Mesh& mesh) {
-    check_transformer_layer_matches_dense(mesh, /*sequence_parallel=*/false);
+    check_transformer_layer_matches_dense(
+        mesh, seeded_transformer_layer(), /*sequence_parallel=*/false);
   });
+}
+
+TEST_P(TensorParallel, PreLayerNormLayerWithoutBiasesFromDenseMatchesItUnderACausalMask) {
+  on_every_rank(world(), [](const Mesh& mesh) {
+    const auto causal = at::full({kSeq, kSeq}, -std::numeric_limits<float>::infinity()).triu(1);
+    for (const bool sequence_parallel : {false, true}) {
+      check_transformer_layer_matches_dense(mesh, seeded_pre_ln_layer(), sequence_parallel, causal);
+    }
+  });
+}
+
+TEST_P(TensorParallel, LoadingALayerWithBiasesIntoOneWithoutIsRefused) {
+  expect_every_rank_raises(
+      world(),
+      [](const Mesh& mesh) {
+        auto layer = ParallelTransformerLayerImpl::from_dense(seeded_pre_ln_layer(), mesh.tp_group);
+        layer->load_dense(seeded_transformer_layer());
+      },
+      "LayerNorms have no bias");
 }
 
 TEST_P(TensorParallel, SequenceParallelTransformerLayerMatchesTheDenseRowsItHolds) {
   on_every_rank(world(), [](const Mesh& mesh) {
-    check_transformer_layer_matches_dense(mesh, /*sequence_parallel=*/true);
+    check_transformer_layer_matches_dense(
+        mesh, seeded_transformer_layer(), /*sequence_parallel=*/true);
   });
 }
 

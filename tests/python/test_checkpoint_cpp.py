@@ -2,9 +2,9 @@
 torchrun, saves a checkpoint that Python loads, and resumes from one that Python saved; the
 dense model's logits agree on both sides.
 
-The Python side mirrors the example's one-process model (post-LN torch layers with biases, an
-output head tied to the token table, names ``tok``, ``pos``, ``layer<i>``). Logits are compared
-to 1e-5: LibTorch's and Python's multi-head attention are the same maths in another order."""
+Both sides run one model: examples/cpp/gpt.h is the C++ twin of torch_mp.models.DenseGPT (the
+example's defaults are GPTConfig's). Logits are compared to 1e-5: LibTorch's and Python's
+multi-head attention are the same maths in another order."""
 
 from __future__ import annotations
 
@@ -15,54 +15,19 @@ from pathlib import Path
 import torch
 from conftest import get_world
 from reference import use_mesh
-from torch import nn
 
-import torch_mp
 from torch_mp import checkpoint
+from torch_mp.models import Corpus, DenseGPT, GPTConfig, GPTStage
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / os.environ.get("TORCH_MP_BUILD", "build") / "examples/cpp/gpt_3d"
 TORCHRUN = Path(os.sys.executable).with_name("torchrun")
-HIDDEN, HEADS, FFN, LAYERS, SEQ = 32, 4, 64, 4, 32  # the example's defaults
 TOLERANCE = 1e-5
 
 
-def _vocab() -> int:
-    return len(set((ROOT / "README.md").read_bytes()))  # the example's characters
-
-
-class CppGpt(nn.Module):
-    """examples/cpp/gpt_3d.cpp's DenseGpt, in Python: [b, s] ids -> [s, b, vocab] logits."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.tok = nn.Embedding(_vocab(), HIDDEN)
-        self.pos = nn.Embedding(SEQ, HIDDEN)
-        for i in range(LAYERS):
-            layer = nn.TransformerEncoderLayer(HIDDEN, HEADS, FFN, dropout=0.0, activation="gelu")
-            self.add_module(f"layer{i}", layer)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.T
-        s = t.shape[0]
-        x = self.tok(t) + self.pos(torch.arange(s))[:, None]
-        mask = nn.Transformer.generate_square_subsequent_mask(s)
-        for i in range(LAYERS):
-            x = getattr(self, f"layer{i}")(x, src_mask=mask)
-        return x @ self.tok.weight.T
-
-
-class ParallelCppGpt(nn.Module):
-    """CppGpt tensor-parallel, its tensors under the same dense names."""
-
-    def __init__(self, dense: CppGpt) -> None:
-        super().__init__()
-        self.tok = torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
-        self.pos = dense.pos
-        for i in range(LAYERS):
-            layer = torch_mp.ParallelTransformerLayer.from_dense(getattr(dense, f"layer{i}"))
-            self.add_module(f"layer{i}", layer)
+def _dense(seed: int) -> DenseGPT:
+    torch.manual_seed(seed)
+    return DenseGPT(GPTConfig(Corpus(ROOT / "README.md").vocab))  # the example's corpus
 
 
 def _torchrun(nproc: int, *args: str) -> str:
@@ -82,7 +47,7 @@ def _torchrun(nproc: int, *args: str) -> str:
 
 def _logits_after_loading(path: str, probe: str) -> float:
     use_mesh(1)
-    model = CppGpt(seed=5)  # other values until loaded
+    model = _dense(seed=5)  # other values until loaded
     assert checkpoint.load(path, model) == {"step": "2"}  # the C++ extra: strings
     expected = checkpoint.load_file(probe)[0]
     with torch.no_grad():
@@ -104,8 +69,8 @@ def test_a_checkpoint_the_cpp_example_saved_loads_in_python_with_equal_logits(tm
 
 def _save_from_python(path: str) -> None:
     use_mesh(2)
-    model = ParallelCppGpt(CppGpt(seed=3))
-    checkpoint.save(path, model, extra={"step": 0})
+    model = GPTStage(_dense(seed=3), range(4), first=True, last=True)
+    checkpoint.save(path, model, extra={"step": 0}, rename=model.dense_names())
 
 
 def test_the_cpp_example_resumes_from_a_python_checkpoint_with_equal_logits(tmp_path):
@@ -117,7 +82,7 @@ def test_the_cpp_example_resumes_from_a_python_checkpoint_with_equal_logits(tmp_
     assert f"resumed from {path} after step 0" in out
     expected = checkpoint.load_file(probe)[0]
     with torch.no_grad():
-        logits = CppGpt(seed=3)(expected["tokens"])
+        logits = _dense(seed=3)(expected["tokens"])
     assert (logits - expected["logits"]).abs().max().item() < TOLERANCE
 
 

@@ -3,7 +3,7 @@ pipeline stages (:class:`GPTStage`), sharded from it.
 
 The model: token and learned position embeddings, pre-LN transformer layers under a causal mask,
 a final LayerNorm and an output head tied to the token embedding, on ``[b, s]`` token ids,
-giving ``[s, b, vocab]`` logits. The C++ examples define the same model
+giving ``[s, b, vocab]`` logits. The C++ examples define the same model, corpus and batches
 (examples/cpp/gpt.h), with the same parameter names, so checkpoints cross the front ends.
 
 In the stages, the vocabulary (embedding rows, logits, loss), the attention heads and the MLP are
@@ -45,18 +45,22 @@ class GPTConfig:
 
 
 class Corpus:
-    """Characters of a text file as token ids, cut into random windows (the same on every rank
-    for the same step)."""
+    """The bytes of a text file as token ids (its distinct bytes, in order, numbered from 0),
+    cut into random windows, the same on every rank for the same step (and in C++)."""
 
     def __init__(self, path: Path | str = README) -> None:
-        text = Path(path).read_text(encoding="utf-8")
-        self.chars = sorted(set(text))
-        index = {c: i for i, c in enumerate(self.chars)}
-        self.ids = torch.tensor([index[c] for c in text], dtype=torch.long)
+        data = Path(path).read_bytes()
+        self.alphabet = sorted(set(data))
+        index = {b: i for i, b in enumerate(self.alphabet)}
+        self.ids = torch.tensor([index[b] for b in data], dtype=torch.long)
 
     @property
     def vocab(self) -> int:
-        return len(self.chars)
+        return len(self.alphabet)
+
+    def decode(self, ids) -> str:
+        """Token ids back to text (bytes that do not form UTF-8 shown as U+FFFD)."""
+        return bytes(self.alphabet[i] for i in ids).decode("utf-8", errors="replace")
 
     def batch(self, step: int, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch`` windows for ``step``: inputs and next-token targets, each ``[batch, seq]``."""

@@ -99,11 +99,12 @@ void ParallelTransformerLayerImpl::reset() {
   const auto& o = options;
   // What the attention and MLP do not check themselves.
   check_parallel_transformer_layer(o.norm_first(), o.layer_norm_eps(), o.group());
-  const auto norm_options = torch::nn::LayerNormOptions({o.hidden_size()}).eps(o.layer_norm_eps());
-  norm1 = register_module("norm1", torch::nn::LayerNorm(norm_options));
+  const auto norm_options =
+      dense::LayerNormOptions(o.hidden_size()).eps(o.layer_norm_eps()).bias(o.bias());
+  norm1 = register_module("norm1", dense::LayerNorm(norm_options));
   self_attn =
       register_module("self_attn", ParallelSelfAttentionImpl::uninitialised(attention_options(o)));
-  norm2 = register_module("norm2", torch::nn::LayerNorm(norm_options));
+  norm2 = register_module("norm2", dense::LayerNorm(norm_options));
   mlp = register_module("mlp", ParallelMLPImpl::uninitialised(mlp_options(o)));
   for (const auto& p : norm1->parameters()) {
     set_replicated(p, o.group());
@@ -118,9 +119,9 @@ void ParallelTransformerLayerImpl::reset() {
 
 void ParallelTransformerLayerImpl::reset_parameters() {
   const auto& o = options;
-  load_dense(torch::nn::TransformerEncoderLayer(
-      torch::nn::TransformerEncoderLayerOptions(o.hidden_size(), o.num_heads())
-          .dim_feedforward(o.ffn_hidden_size())));
+  load_dense(dense::TransformerLayer(
+      dense::TransformerLayerOptions(o.hidden_size(), o.num_heads(), o.ffn_hidden_size())
+          .bias(o.bias())));
 }
 
 const DenseNames& ParallelTransformerLayerImpl::dense_names() {
@@ -131,14 +132,47 @@ const DenseNames& ParallelTransformerLayerImpl::dense_names() {
   return names;
 }
 
-void ParallelTransformerLayerImpl::load_dense(const torch::nn::TransformerEncoderLayer& dense) {
-  self_attn->load_dense(dense->self_attn);
-  mlp->load_dense(dense->linear1, dense->linear2);
+namespace {
+
+void load_norm(const dense::LayerNorm& norm, const at::Tensor& weight, const at::Tensor& bias) {
+  TORCH_CHECK(norm->bias.defined() == bias.defined(),
+              "ParallelTransformerLayer.load_dense: the layer's LayerNorms ",
+              norm->bias.defined() ? "have" : "have no",
+              " bias, the dense layer's ",
+              bias.defined() ? "have" : "have none");
   at::NoGradGuard no_grad;
-  norm1->weight.copy_(dense->norm1->weight);
-  norm1->bias.copy_(dense->norm1->bias);
-  norm2->weight.copy_(dense->norm2->weight);
-  norm2->bias.copy_(dense->norm2->bias);
+  norm->weight.copy_(weight);
+  if (bias.defined()) {
+    norm->bias.copy_(bias);
+  }
+}
+
+// dense::TransformerLayer and torch::nn::TransformerEncoderLayer name their parts alike.
+template <typename DenseLayer>
+void load_layer(ParallelTransformerLayerImpl& layer, const DenseLayer& dense) {
+  layer.self_attn->load_dense(dense->self_attn);
+  layer.mlp->load_dense(dense->linear1, dense->linear2);
+  load_norm(layer.norm1, dense->norm1->weight, dense->norm1->bias);
+  load_norm(layer.norm2, dense->norm2->weight, dense->norm2->bias);
+}
+
+template <typename DenseLayer>
+ParallelTransformerLayer shard_layer(ParallelTransformerLayerOptions options,
+                                     const DenseLayer& dense) {
+  auto layer = ParallelTransformerLayerImpl::uninitialised(std::move(options));
+  layer->to(dense->linear1->weight.device(), dense->linear1->weight.scalar_type());
+  load_layer(*layer, dense);
+  return layer;
+}
+
+}  // namespace
+
+void ParallelTransformerLayerImpl::load_dense(const dense::TransformerLayer& dense) {
+  load_layer(*this, dense);
+}
+
+void ParallelTransformerLayerImpl::load_dense(const torch::nn::TransformerEncoderLayer& dense) {
+  load_layer(*this, dense);
 }
 
 TransformerLayerParameters ParallelTransformerLayerImpl::weights() const {
@@ -157,20 +191,37 @@ at::Tensor ParallelTransformerLayerImpl::forward(const at::Tensor& x,
       x, weights(), options, optional_tensor(attn_mask), is_causal, is_training());
 }
 
+ParallelTransformerLayer ParallelTransformerLayerImpl::uninitialised(
+    ParallelTransformerLayerOptions options) {
+  return ParallelTransformerLayer(std::shared_ptr<ParallelTransformerLayerImpl>(
+      new ParallelTransformerLayerImpl(std::move(options), /*initialise=*/false)));
+}
+
+ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
+    const dense::TransformerLayer& dense, GroupPtr group, bool sequence_parallel) {
+  const auto& d = dense->options;
+  return shard_layer(
+      ParallelTransformerLayerOptions(d.hidden_size(), d.num_heads(), d.ffn_hidden_size())
+          .dropout(d.dropout())
+          .activation(d.activation())
+          .layer_norm_eps(d.layer_norm_eps())
+          .norm_first(d.norm_first())
+          .bias(d.bias())
+          .sequence_parallel(sequence_parallel)
+          .group(std::move(group)),
+      dense);
+}
+
 ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
     const torch::nn::TransformerEncoderLayer& dense, GroupPtr group, bool sequence_parallel) {
   const auto& d = dense->options;
-  auto options = ParallelTransformerLayerOptions(d.d_model(), d.nhead(), d.dim_feedforward())
-                     .dropout(d.dropout())
-                     .activation(activation_name(d.activation()))
-                     .layer_norm_eps(dense->norm1->options.eps())
-                     .sequence_parallel(sequence_parallel)
-                     .group(std::move(group));
-  auto layer = ParallelTransformerLayer(std::shared_ptr<ParallelTransformerLayerImpl>(
-      new ParallelTransformerLayerImpl(std::move(options), /*initialise=*/false)));
-  layer->to(dense->linear1->weight.device(), dense->linear1->weight.scalar_type());
-  layer->load_dense(dense);
-  return layer;
+  return shard_layer(ParallelTransformerLayerOptions(d.d_model(), d.nhead(), d.dim_feedforward())
+                         .dropout(d.dropout())
+                         .activation(activation_name(d.activation()))
+                         .layer_norm_eps(dense->norm1->options.eps())
+                         .sequence_parallel(sequence_parallel)
+                         .group(std::move(group)),
+                     dense);
 }
 
 // ---- the operator -----------------------------------------------------------------------------

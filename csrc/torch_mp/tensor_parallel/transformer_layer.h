@@ -1,7 +1,9 @@
 #pragma once
 // A transformer encoder layer with tensor-parallel attention and MLP: the same layer as
-// torch::nn::TransformerEncoderLayer (post-LN norm2(y + mlp(y)) with y = norm1(x + attn(x)), or
-// pre-LN x + attn(norm1(x)) then + mlp(norm2(.)) with norm_first), given the same weights.
+// torch_mp::dense::TransformerLayer (torch.nn.TransformerEncoderLayer: post-LN
+// norm2(y + mlp(y)) with y = norm1(x + attn(x)), or pre-LN x + attn(norm1(x)) then
+// + mlp(norm2(.)) with norm_first) and torch::nn::TransformerEncoderLayer (post-LN, with
+// biases), given the same weights.
 // Under sequence parallelism the LayerNorms, dropouts and residuals act on each rank's s / t
 // rows, the replicated LayerNorm parameters getting the dense gradients (layer_norm.h).
 //
@@ -12,13 +14,13 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
-#include <torch/nn/modules/normalization.h>
 #include <torch/nn/modules/transformerlayer.h>
 #include <torch/nn/pimpl.h>
 
 #include <optional>
 #include <string>
 
+#include "torch_mp/dense.h"
 #include "torch_mp/process_groups.h"
 #include "torch_mp/tensor_parallel/attention.h"
 #include "torch_mp/tensor_parallel/mlp.h"
@@ -44,7 +46,7 @@ struct ParallelTransformerLayerOptions {
   TORCH_ARG(double, layer_norm_eps) = 1e-5;
   /// Pre-LN (x + f(norm(x))) instead of post-LN (norm(x + f(x))).
   TORCH_ARG(bool, norm_first) = false;
-  /// Biases of the projections (LibTorch's LayerNorm has no bias switch: its bias stays).
+  /// Biases of the projections and the LayerNorms.
   TORCH_ARG(bool, bias) = true;
   TORCH_ARG(bool, sequence_parallel) = false;
   TORCH_ARG(GroupPtr, group) = {};
@@ -83,26 +85,34 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
   explicit ParallelTransformerLayerImpl(ParallelTransformerLayerOptions options)
       : ParallelTransformerLayerImpl(std::move(options), /*initialise=*/true) {}
   void reset() override;
-  /// Draws the weights of a torch::nn::TransformerEncoderLayer with these options and loads them.
+  /// Draws the weights of a dense::TransformerLayer with these options and loads them.
   void reset_parameters();
   /// `x` [s, b, h] ([s / t, b, h] under sequence parallelism); mask as in attention_heads.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& attn_mask = {}, bool is_causal = false);
   /// The parameters as parallel_transformer_layer takes them.
   TransformerLayerParameters weights() const;
-  /// Shards `dense` (a post-LN layer, as LibTorch's are).
+  /// Shards `dense` (its options, pre- or post-LN, with or without biases, kept).
+  static ParallelTransformerLayer from_dense(const dense::TransformerLayer& dense,
+                                             GroupPtr group = {},
+                                             bool sequence_parallel = false);
+  /// Shards `dense` (a post-LN layer with biases, as LibTorch's are).
   static ParallelTransformerLayer from_dense(const torch::nn::TransformerEncoderLayer& dense,
                                              GroupPtr group = {},
                                              bool sequence_parallel = false);
 
+  /// Allocated, not initialised (for modules that fill it).
+  static ParallelTransformerLayer uninitialised(ParallelTransformerLayerOptions options);
+
   /// Copies this rank's shards of `dense` into the parameters.
+  void load_dense(const dense::TransformerLayer& dense);
   void load_dense(const torch::nn::TransformerEncoderLayer& dense);
   /// Parameter names in the dense layer, by prefix (torch_mp::checkpoint).
   static const DenseNames& dense_names();
 
   ParallelTransformerLayerOptions options;
-  torch::nn::LayerNorm norm1 = nullptr;
+  dense::LayerNorm norm1 = nullptr;
   ParallelSelfAttention self_attn = nullptr;
-  torch::nn::LayerNorm norm2 = nullptr;
+  dense::LayerNorm norm2 = nullptr;
   ParallelMLP mlp = nullptr;
 
  private:

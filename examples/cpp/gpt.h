@@ -1,0 +1,233 @@
+#pragma once
+// A small GPT, defined once for the C++ examples (tp_gpt.cpp, gpt_3d.cpp): the one-process model
+// (DenseGpt) and its tensor-parallel pipeline stages (GptStage), sharded from it. It is the C++
+// twin of torch_mp.models.gpt: the same model, corpus and batches, and the same parameter names
+// (tok, pos, layers.<i>.*, norm), so a checkpoint either front end saves, the other loads.
+//
+// The model: token and learned position embeddings, pre-LN transformer layers without biases
+// under a causal mask (torch_mp::dense::TransformerLayer: LibTorch's layers have no pre-LN or
+// bias switch), a final LayerNorm and an output head tied to the token embedding, on [b, s]
+// token ids, giving [s, b, vocab] logits.
+//
+// In the stages, the vocabulary (embedding rows, logits, loss), the attention heads and the MLP
+// are split across the tensor group; with sequence parallelism the LayerNorms and residuals act
+// on each rank's chunk of the sequence. The first stage holds the embeddings, the last the final
+// norm and the head: a copy of the embedding tied to it across the pipeline (or the embedding
+// itself when one stage holds both).
+
+#include <torch/torch.h>
+#include <torch_mp/torch_mp.h>
+
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gpt {
+
+namespace tp = torch_mp::tensor_parallel;
+
+/// The GPT's sizes. heads and ffn (and seq under sequence parallelism) must be divisible by the
+/// tensor-parallel size; the vocabulary need not be.
+struct Config {
+  int64_t vocab = 0;
+  int64_t seq = 32, hidden = 32, heads = 4, ffn = 64, layers = 4;
+};
+
+/// The bytes of a text file as token ids (its distinct bytes, in order, numbered from 0), cut
+/// into random windows, the same on every rank for the same step: torch_mp.models.Corpus's.
+class Corpus {
+ public:
+  explicit Corpus(const std::string& path) {
+    std::ifstream file(path, std::ios::binary);
+    if (!file) {
+      throw std::runtime_error("gpt: cannot read " + path + " (run from the repository root)");
+    }
+    const std::string text{std::istreambuf_iterator<char>(file), {}};
+    const std::set<unsigned char> alphabet(text.begin(), text.end());
+    std::vector<int64_t> index(256, -1);
+    for (unsigned char c : alphabet) {
+      index[c] = vocab++;
+    }
+    std::vector<int64_t> data;
+    data.reserve(text.size());
+    for (unsigned char c : text) {
+      data.push_back(index[c]);
+    }
+    ids = torch::tensor(data, torch::kLong);
+  }
+
+  /// `batch` windows for `step`: inputs and next-token targets, each [batch, seq].
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t step, int64_t batch, int64_t seq) const {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+    const auto starts = torch::randint(ids.size(0) - seq - 1, {batch}, generator, torch::kLong);
+    std::vector<torch::Tensor> windows;
+    for (int64_t i = 0; i < batch; ++i) {
+      const int64_t start = starts[i].item<int64_t>();
+      windows.push_back(ids.slice(0, start, start + seq + 1));
+    }
+    const auto all = torch::stack(windows);
+    return {all.slice(1, 0, seq), all.slice(1, 1, seq + 1)};
+  }
+
+  torch::Tensor ids;
+  int64_t vocab = 0;
+};
+
+/// [s, s]: -inf above the diagonal.
+inline torch::Tensor causal_mask(int64_t s) {
+  return torch::full({s, s}, -std::numeric_limits<float>::infinity()).triu(1);
+}
+
+/// The one-process model, on [b, s] token ids; returns [s, b, vocab] logits.
+struct DenseGptImpl : torch::nn::Module {
+  explicit DenseGptImpl(const Config& config) : config(config) {
+    tok = register_module("tok", torch::nn::Embedding(config.vocab, config.hidden));
+    pos = register_module("pos", torch::nn::Embedding(config.seq, config.hidden));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < config.layers; ++i) {
+      layers->push_back(torch_mp::dense::TransformerLayer(
+          torch_mp::dense::TransformerLayerOptions(config.hidden, config.heads, config.ffn)
+              .dropout(0.0)
+              .activation("gelu")
+              .norm_first(true)
+              .bias(false)));
+    }
+    norm = register_module("norm", torch_mp::dense::LayerNorm(config.hidden));
+    torch::NoGradGuard no_grad;
+    tok->weight.normal_(0.0, 0.02);  // GPT-2's initialisation of the tied table
+  }
+
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    const auto t = tokens.t();  // [s, b]
+    const int64_t s = t.size(0);
+    auto x = tok(t) + pos(torch::arange(s)).unsqueeze(1);
+    const auto mask = causal_mask(s);
+    for (const auto& layer : *layers) {
+      x = layer->as<torch_mp::dense::TransformerLayerImpl>()->forward(x, mask);
+    }
+    return torch::matmul(norm(x), tok->weight.t());
+  }
+
+  /// The layer `i` (for from_dense).
+  torch_mp::dense::TransformerLayer layer(int64_t i) const {
+    return torch_mp::dense::TransformerLayer(layers->ptr<torch_mp::dense::TransformerLayerImpl>(i));
+  }
+
+  Config config;
+  torch::nn::Embedding tok = nullptr;
+  torch::nn::Embedding pos = nullptr;
+  torch::nn::ModuleList layers = nullptr;
+  torch_mp::dense::LayerNorm norm = nullptr;
+};
+TORCH_MODULE(DenseGpt);
+
+/// Cross-entropy of [s, b, vocab] logits against [b, s] next-token targets.
+inline torch::Tensor dense_loss(const torch::Tensor& logits, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(logits.flatten(0, 1), target.t().flatten());
+}
+
+/// One pipeline stage of DenseGpt, tensor-parallel: layers [first_layer, first_layer + count),
+/// plus the embeddings on the first stage and the final norm and (tied) head on the last. The
+/// first stage takes [b, s] token ids; stages pass [s, b, h] activations ([s / t, b, h] under
+/// sequence parallelism); the last returns this rank's [s, b, ceil(vocab / t)] slice of the
+/// logits, for loss().
+struct GptStageImpl : torch::nn::Module {
+  GptStageImpl(const DenseGpt& dense,
+               int64_t first_layer,
+               int64_t count,
+               bool first,
+               bool last,
+               bool sequence_parallel,
+               torch_mp::GroupPtr group)
+      : first(first),
+        last(last),
+        sequence_parallel(sequence_parallel),
+        first_layer(first_layer),
+        vocab(dense->config.vocab),
+        group(std::move(group)) {
+    if (first) {
+      tok = register_module("tok",
+                            tp::VocabParallelEmbeddingImpl::from_dense(dense->tok, this->group));
+      pos = register_module("pos",
+                            torch::nn::Embedding::from_pretrained(
+                                dense->pos->weight.detach().clone(),
+                                torch::nn::EmbeddingFromPretrainedOptions().freeze(false)));
+    }
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = first_layer; i < first_layer + count; ++i) {
+      layers->push_back(tp::ParallelTransformerLayerImpl::from_dense(
+          dense->layer(i), this->group, sequence_parallel));
+    }
+    if (last) {
+      norm = register_module("norm", torch_mp::dense::LayerNorm(dense->norm->options));
+      torch::NoGradGuard no_grad;
+      norm->weight.copy_(dense->norm->weight);
+      norm->bias.copy_(dense->norm->bias);
+      // One stage holds both ends: the head is the embedding itself. Otherwise a copy, tied to
+      // the first stage's through Pipeline::tie_parameters.
+      head = first
+                 ? tok
+                 : register_module(
+                       "head", tp::VocabParallelEmbeddingImpl::from_dense(dense->tok, this->group));
+    }
+  }
+
+  torch::Tensor forward(const torch::Tensor& input) {
+    auto x = input;
+    if (first) {
+      const auto tokens = input.t();
+      // Every rank computes the whole embedding (the vocab-parallel lookup all-reduces).
+      x = tok(tokens) + pos(torch::arange(tokens.size(0))).unsqueeze(1);
+      if (sequence_parallel) {
+        // This rank's chunk of the sequence; scatter_to_tp gives the tables the whole
+        // sequence's gradient (its backward all-gathers).
+        x = torch_mp::scatter_to_tp(x, group, 0);
+      }
+    }
+    for (const auto& layer : *layers) {
+      x = layer->as<tp::ParallelTransformerLayerImpl>()->forward(x, {}, /*is_causal=*/true);
+    }
+    if (!last) {
+      return x;
+    }
+    auto h =
+        tp::layer_norm(x, norm->weight, norm->bias, norm->options.eps(), sequence_parallel, group);
+    // Into the vocab-parallel head: under sequence parallelism gather the sequence back
+    // (backward reduce-scatters), otherwise copy_to_tp (backward all-reduces).
+    h = sequence_parallel ? torch_mp::gather_from_sp(h, group, 0) : torch_mp::copy_to_tp(h, group);
+    return torch::matmul(h, head->weight.t());
+  }
+
+  /// The last stage's loss: vocabulary-parallel cross-entropy against [b, s] targets.
+  torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& target) const {
+    return tp::vocab_parallel_cross_entropy(
+        logits, target.t(), group, -100, 0.0, at::Reduction::Mean, vocab);
+  }
+
+  /// How this stage's names map to DenseGpt's, for torch_mp::checkpoint: its layers renumbered,
+  /// and the head, tied to the embedding, to the embedding's name.
+  torch_mp::checkpoint::Rename dense_names() const {
+    torch_mp::checkpoint::Rename names{{"head.weight", "tok.weight"}};
+    for (size_t j = 0; j < layers->size(); ++j) {
+      names.emplace_back("layers." + std::to_string(j) + ".",
+                         "layers." + std::to_string(first_layer + j) + ".");
+    }
+    return names;
+  }
+
+  bool first, last, sequence_parallel;
+  int64_t first_layer, vocab;
+  torch_mp::GroupPtr group;
+  tp::VocabParallelEmbedding tok = nullptr, head = nullptr;
+  torch::nn::Embedding pos = nullptr;
+  torch::nn::ModuleList layers = nullptr;
+  torch_mp::dense::LayerNorm norm = nullptr;
+};
+TORCH_MODULE(GptStage);
+
+}  // namespace gpt
