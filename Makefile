@@ -3,14 +3,15 @@
 #
 #   make test   build, then run the C++ tests (ctest) and the Python tests (pytest)
 #   make demo   build, then train a small GPT on 8 ranks (tensor 2 x pipeline 2 x data 2) under
-#               torchrun and compare it with a one-process run
+#               torchrun, compare it with a one-process run, print a sample of its text and
+#               draw its loss curve and pipeline timeline into demo/
 #   make build  just build (libtorch_mp, torch_mp/_C, C++ tests and examples) into build/
 
 VENV       ?= .venv
 BUILD      ?= build
 PYTHON     := $(VENV)/bin/python
 MAX_JOBS   ?= 2
-DEMO_STEPS ?= 60
+DEMO_STEPS ?= 70
 # No GPU here: name an architecture so that CUDA builds of torch need not detect one.
 export TORCH_CUDA_ARCH_LIST ?= 9.0
 export OMP_NUM_THREADS ?= 1
@@ -67,9 +68,11 @@ test-python: build
 
 test: test-cpp test-python
 
+# Writes the loss curve and the last step's pipeline timeline into demo/.
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=8 \
-	  examples/python/gpt_3d.py --tp 2 --pp 2 --dp 2 --schedule 1f1b --steps $(DEMO_STEPS) --check
+	  examples/python/gpt_3d.py --tp 2 --pp 2 --dp 2 --schedule 1f1b --steps $(DEMO_STEPS) --check \
+	  --plot demo/loss.png --trace demo/timeline.png
 
 clean:
 	rm -rf $(BUILD) torch_mp/_C*.so

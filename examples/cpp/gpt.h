@@ -5,9 +5,9 @@
 // (tok, pos, layers.<i>.*, norm), so a checkpoint either front end saves, the other loads.
 //
 // The model: token and learned position embeddings, pre-LN transformer layers without biases
-// under a causal mask (torch_mp::dense::TransformerLayer: LibTorch's layers have no pre-LN or
-// bias switch), a final LayerNorm and an output head tied to the token embedding, on [b, s]
-// token ids, giving [s, b, vocab] logits.
+// (initialised as GPT-2's: gpt2_init_std) under a causal mask (torch_mp::dense::TransformerLayer:
+// LibTorch's layers have no pre-LN or bias switch), a final LayerNorm and an output head tied to
+// the token embedding, on [b, s] token ids, giving [s, b, vocab] logits.
 //
 // In the stages, the vocabulary (embedding rows, logits, loss), the attention heads and the MLP
 // are split across the tensor group; with sequence parallelism the LayerNorms and residuals act
@@ -18,9 +18,11 @@
 #include <torch/torch.h>
 #include <torch_mp/torch_mp.h>
 
+#include <cmath>
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -38,6 +40,10 @@ struct Config {
   int64_t seq = 32, hidden = 32, heads = 4, ffn = 64, layers = 4;
 };
 
+/// The corpus the examples train on (from the repository's root): Shakespeare's plays, public
+/// domain, shipped with the Python package.
+constexpr const char* kShakespeare = "torch_mp/models/data/shakespeare.txt";
+
 /// The bytes of a text file as token ids (its distinct bytes, in order, numbered from 0), cut
 /// into random windows, the same on every rank for the same step: torch_mp.models.Corpus's.
 class Corpus {
@@ -52,6 +58,7 @@ class Corpus {
     std::vector<int64_t> index(256, -1);
     for (unsigned char c : alphabet) {
       index[c] = vocab++;
+      bytes.push_back(static_cast<char>(c));
     }
     std::vector<int64_t> data;
     data.reserve(text.size());
@@ -74,8 +81,61 @@ class Corpus {
     return {all.slice(1, 0, seq), all.slice(1, 1, seq + 1)};
   }
 
+  /// Token ids back to text.
+  std::string decode(const torch::Tensor& tokens) const {
+    std::string text;
+    for (int64_t i = 0; i < tokens.numel(); ++i) {
+      text += bytes.at(tokens[i].item<int64_t>());
+    }
+    return text;
+  }
+
   torch::Tensor ids;
   int64_t vocab = 0;
+  std::string bytes;  // the byte of each token id
+};
+
+/// GPT-2's initial standard deviation of the parameter `name` of a `layers`-layer DenseGpt: 0.02
+/// for the tables and projections, 0.02 / sqrt(2 * layers) for the two projections that end a
+/// residual branch (self_attn.out_proj, linear2), none for the LayerNorms (weight 1, bias 0).
+/// torch_mp.models.gpt.gpt2_init_std's twin.
+inline std::optional<double> gpt2_init_std(const std::string& name, int64_t layers) {
+  constexpr double kStd = 0.02;
+  const auto ends_with = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() &&
+           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (name.find("norm") != std::string::npos) {
+    return std::nullopt;
+  }
+  if (ends_with("self_attn.out_proj.weight") || ends_with("linear2.weight")) {
+    return kStd / std::sqrt(2.0 * static_cast<double>(layers));
+  }
+  return kStd;
+}
+
+/// AdamW's learning rate over the steps: torch_mp.models.TrainingOptions's schedule.
+struct LearningRate {
+  double lr = 3e-3;
+  int64_t warmup = 0;
+  int64_t decay_steps = 0;
+  double min_lr = 0.0;
+
+  /// At step `step` (from 1): rising linearly to lr over the first `warmup` steps, then falling
+  /// to min_lr along a half cosine that ends at step decay_steps (lr throughout when it is 0).
+  double at(int64_t step) const {
+    if (step <= warmup) {
+      return lr * static_cast<double>(step) / static_cast<double>(warmup);
+    }
+    if (decay_steps <= 0) {
+      return lr;
+    }
+    const double done =
+        std::min(1.0,
+                 static_cast<double>(step - warmup) /
+                     static_cast<double>(std::max<int64_t>(1, decay_steps - warmup)));
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * done));
+  }
 };
 
 /// [s, s]: -inf above the diagonal.
@@ -98,8 +158,12 @@ struct DenseGptImpl : torch::nn::Module {
               .bias(false)));
     }
     norm = register_module("norm", torch_mp::dense::LayerNorm(config.hidden));
-    torch::NoGradGuard no_grad;
-    tok->weight.normal_(0.0, 0.02);  // GPT-2's initialisation of the tied table
+    torch::NoGradGuard no_grad;  // GPT-2's initialisation
+    for (auto& item : named_parameters()) {
+      if (const auto std = gpt2_init_std(item.key(), config.layers)) {
+        item.value().normal_(0.0, *std);
+      }
+    }
   }
 
   torch::Tensor forward(const torch::Tensor& tokens) {
@@ -125,6 +189,29 @@ struct DenseGptImpl : torch::nn::Module {
   torch_mp::dense::LayerNorm norm = nullptr;
 };
 TORCH_MODULE(DenseGpt);
+
+/// `prompt` ([b, s0] token ids) continued by `length` tokens, each drawn from the softmax of the
+/// model's last logits divided by `temperature` (the most likely token when it is 0), the model
+/// seeing the last config.seq tokens: torch_mp.models.sample's twin. Returns [b, s0 + length].
+inline torch::Tensor sample(DenseGpt& model,
+                            const torch::Tensor& prompt,
+                            int64_t length,
+                            double temperature,
+                            std::optional<at::Generator> generator = std::nullopt) {
+  torch::NoGradGuard no_grad;
+  auto ids = prompt;
+  for (int64_t i = 0; i < length; ++i) {
+    const int64_t s = std::min<int64_t>(ids.size(1), model->config.seq);
+    const auto logits = model->forward(ids.slice(1, ids.size(1) - s))[-1];  // [b, vocab]
+    const auto token =
+        temperature == 0.0
+            ? logits.argmax(-1)
+            : torch::multinomial(torch::softmax(logits / temperature, -1), 1, false, generator)
+                  .select(1, 0);
+    ids = torch::cat({ids, token.unsqueeze(1)}, 1);
+  }
+  return ids;
+}
 
 /// Cross-entropy of [s, b, vocab] logits against [b, s] next-token targets.
 inline torch::Tensor dense_loss(const torch::Tensor& logits, const torch::Tensor& target) {

@@ -3,12 +3,13 @@
 //
 //   torchrun --standalone --no-python --nproc-per-node=8 build/examples/cpp/gpt_3d \
 //       --tp 2 --pp 2 --dp 2 --schedule 1f1b [--sequence-parallel] [--steps N] [--check] \
-//       [--save-every N --checkpoint DIR] [--resume] [--probe FILE]
+//       [--save-every N --checkpoint DIR] [--resume] [--probe FILE] [--sample N]
 //
 // The model is gpt.h's (torch_mp.models.gpt's twin): token and learned position embeddings,
 // pre-LN transformer layers under a causal mask, a final LayerNorm and an output head tied to the
-// token embedding; trained byte by byte on the repository's README (read from the working
-// directory) with AdamW and clipping.
+// token embedding, initialised as GPT-2 is; trained byte by byte on Shakespeare's plays
+// (gpt::kShakespeare, read from the repository's root, or --corpus FILE) with AdamW (warm-up,
+// then cosine decay) and clipping. At the end rank 0 prints text sampled from the trained model.
 //
 // - tensor: VocabParallelEmbedding, ParallelTransformerLayer (heads and MLP split; with
 //   --sequence-parallel also the LayerNorms and residuals), vocab_parallel_cross_entropy;
@@ -18,9 +19,11 @@
 // - data: every stage wrapped in torch_mp::DataParallel, each data rank given its share of the
 //   batch; torch_mp::clip_grad_norm_ clips by the norm of the whole model.
 //
-// With --check every rank also trains the dense model on the whole batch; losses must agree to
-// 1e-5 and the trained token table (gathered) to 1e-4 (AdamW scales each element's update by its
-// own gradient's root mean square, so elements inherit their gradient's relative error).
+// With --check every rank also trains the dense model on the whole batch; over the first 10 steps
+// losses must agree to 1e-5 and the trained token table (gathered, after step 10) to 1e-4
+// (AdamW scales each element's update by its own gradient's root mean square, so elements
+// inherit their gradient's relative error); later losses to 1e-2, as rounding differences
+// compound while the model learns (examples/python/gpt_3d.py gives the measurements).
 //
 // Checkpoints (torch_mp::checkpoint, the format Python's torch_mp.checkpoint reads and writes):
 // --save-every N saves the model and AdamW state to --checkpoint DIR every N steps, in the dense
@@ -38,6 +41,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -47,8 +51,9 @@
 
 namespace {
 
-constexpr double kLossTolerance = 1e-5;
-constexpr double kParameterTolerance = 1e-4;
+constexpr int kExactSteps = 10;
+constexpr double kLossTolerance = 1e-5, kParameterTolerance = 1e-4;
+constexpr double kLossDrift = 1e-2, kParameterDrift = 5e-2;
 
 struct Args {
   int64_t tp = 1, pp = 1, dp = -1;
@@ -56,12 +61,15 @@ struct Args {
   bool sequence_parallel = false;
   bool check = false;
   bool resume = false;
-  int steps = 20;
+  int steps = 70;
   int save_every = 0;
   std::string checkpoint = "checkpoints/gpt_3d_cpp";
   std::string probe;
-  int64_t batch = 8, microbatches = 4, seq = 32, hidden = 32, heads = 4, ffn = 64, layers = 4;
-  double lr = 3e-3, clip = 0.5;
+  std::string corpus = gpt::kShakespeare;
+  int64_t batch = 32, microbatches = 4, seq = 32, hidden = 64, heads = 4, ffn = 128, layers = 4;
+  int64_t warmup = 10, decay_steps = -1, sample = 200;
+  double lr = 2e-3, min_lr = -1.0, clip = 0.5, temperature = 0.8;
+  int64_t seed = 0;
 };
 
 Args parse(int argc, char** argv) {
@@ -72,7 +80,18 @@ Args parse(int argc, char** argv) {
                                            {"--batch", &a.batch},
                                            {"--microbatches", &a.microbatches},
                                            {"--seq", &a.seq},
-                                           {"--layers", &a.layers}};
+                                           {"--hidden", &a.hidden},
+                                           {"--heads", &a.heads},
+                                           {"--ffn", &a.ffn},
+                                           {"--layers", &a.layers},
+                                           {"--warmup", &a.warmup},
+                                           {"--decay-steps", &a.decay_steps},
+                                           {"--sample", &a.sample},
+                                           {"--seed", &a.seed}};
+  std::map<std::string, double*> reals{{"--lr", &a.lr},
+                                       {"--min-lr", &a.min_lr},
+                                       {"--clip", &a.clip},
+                                       {"--temperature", &a.temperature}};
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--sequence-parallel") {
@@ -87,8 +106,12 @@ Args parse(int argc, char** argv) {
       a.checkpoint = argv[++i];
     } else if (i + 1 < argc && flag == "--probe") {
       a.probe = argv[++i];
+    } else if (i + 1 < argc && flag == "--corpus") {
+      a.corpus = argv[++i];
     } else if (i + 1 < argc && integers.count(flag)) {
       *integers[flag] = std::stoll(argv[++i]);
+    } else if (i + 1 < argc && reals.count(flag)) {
+      *reals[flag] = std::stod(argv[++i]);
     } else if (i + 1 < argc && flag == "--steps") {
       a.steps = std::stoi(argv[++i]);
     } else if (i + 1 < argc && flag == "--schedule") {
@@ -96,6 +119,12 @@ Args parse(int argc, char** argv) {
     } else {
       throw std::invalid_argument("gpt_3d: unknown or incomplete argument " + flag);
     }
+  }
+  if (a.min_lr < 0) {
+    a.min_lr = a.lr / 10;
+  }
+  if (a.decay_steps < 0) {
+    a.decay_steps = a.steps;
   }
   return a;
 }
@@ -121,16 +150,16 @@ std::string progress(int step, int steps, double loss, double tokens_per_s) {
   return line.str();
 }
 
-/// Writes `a.probe`: a batch of tokens and the logits of the dense model holding the stages'
-/// weights (exported to a dense file, rebuilt on rank 0).
-void write_probe(const Args& a,
-                 const gpt::Corpus& corpus,
-                 const std::vector<torch_mp::checkpoint::Stage>& stages,
-                 const std::shared_ptr<torch_mp::Mesh>& mesh) {
-  const std::string exported = a.probe + ".model.safetensors";
+/// The dense model holding the stages' weights, on rank 0 (null elsewhere): exported to the
+/// dense file `exported` (a collective), rebuilt from it.
+gpt::DenseGpt gathered_model(const Args& a,
+                             const gpt::Corpus& corpus,
+                             const std::vector<torch_mp::checkpoint::Stage>& stages,
+                             const std::shared_ptr<torch_mp::Mesh>& mesh,
+                             const std::string& exported) {
   torch_mp::checkpoint::export_dense(exported, stages, mesh);
   if (mesh->rank != 0) {
-    return;
+    return nullptr;
   }
   gpt::DenseGpt dense(config_of(a, corpus.vocab));
   const auto weights = torch_mp::checkpoint::load_file(exported);
@@ -138,9 +167,67 @@ void write_probe(const Args& a,
   for (auto& item : dense->named_parameters()) {
     item.value().copy_(weights.at(item.key()));
   }
+  return dense;
+}
+
+/// Writes `a.probe`: a batch of tokens and the logits of the dense model holding the stages'
+/// weights.
+void write_probe(const Args& a,
+                 const gpt::Corpus& corpus,
+                 const std::vector<torch_mp::checkpoint::Stage>& stages,
+                 const std::shared_ptr<torch_mp::Mesh>& mesh) {
+  auto dense = gathered_model(a, corpus, stages, mesh, a.probe + ".model.safetensors");
+  if (!dense) {
+    return;
+  }
+  torch::NoGradGuard no_grad;
   const auto tokens = corpus.batch(0, 2, a.seq).first;
   torch_mp::checkpoint::save_file({{"tokens", tokens}, {"logits", dense->forward(tokens)}},
                                   a.probe);
+}
+
+/// Rank 0 prints `a.sample` bytes of text sampled from the trained model.
+void show_sample(const Args& a,
+                 const gpt::Corpus& corpus,
+                 const std::vector<torch_mp::checkpoint::Stage>& stages,
+                 const std::shared_ptr<torch_mp::Mesh>& mesh) {
+  // Beside the checkpoints; one file per job (MASTER_PORT differs between jobs on one machine).
+  const char* port = std::getenv("MASTER_PORT");
+  const auto exported = std::filesystem::path(a.checkpoint).parent_path() /
+                        ("gpt_3d_sample_" + std::string(port ? port : "0") + ".safetensors");
+  std::filesystem::create_directories(exported.parent_path());
+  auto dense = gathered_model(a, corpus, stages, mesh, exported.string());
+  if (!dense) {
+    return;
+  }
+  std::filesystem::remove(exported);
+  const auto prompt = corpus.ids.slice(0, 0, a.seq / 2).unsqueeze(0);
+  const auto ids = gpt::sample(
+      dense, prompt, a.sample, a.temperature, at::make_generator<at::CPUGeneratorImpl>(a.seed));
+  std::printf(
+      "sampled from the trained model (temperature %.1f), after the prompt \"%s\":\n%s\n----\n",
+      a.temperature,
+      corpus.decode(prompt[0]).c_str(),
+      corpus.decode(ids[0]).c_str());
+}
+
+/// The largest |difference| between this rank's trained token table (first stage) and head
+/// (last stage), gathered over the tensor group, and the reference's table.
+double table_difference(const gpt::GptStage& mine, const gpt::DenseGpt& reference) {
+  double worst = 0.0;
+  for (const auto& table : {mine->tok, mine->head}) {
+    if (table) {
+      const auto gathered = table->to_dense()->weight;
+      worst = std::max(worst, (gathered - reference->tok->weight).abs().max().item<double>());
+    }
+  }
+  return worst;
+}
+
+void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
 }
 
 int run(int argc, char** argv) {
@@ -151,10 +238,10 @@ int run(int argc, char** argv) {
   }
   const auto mesh = torch_mp::init(options);
   const bool is_rank0 = mesh->rank == 0;
-  const gpt::Corpus corpus("README.md");
+  const gpt::Corpus corpus(a.corpus);
   const auto config = config_of(a, corpus.vocab);
 
-  torch::manual_seed(0);  // the same dense model on every rank
+  torch::manual_seed(a.seed);  // the same dense model on every rank
   gpt::DenseGpt dense(config);
   gpt::DenseGpt reference = nullptr;
   if (a.check) {
@@ -191,6 +278,8 @@ int run(int argc, char** argv) {
   pipe.tie_parameters(tied);
   const auto parameters = mine->parameters();
   torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+  const gpt::LearningRate schedule{
+      .lr = a.lr, .warmup = a.warmup, .decay_steps = a.decay_steps, .min_lr = a.min_lr};
   std::unique_ptr<torch::optim::AdamW> reference_optimizer;
   if (a.check) {
     reference_optimizer = std::make_unique<torch::optim::AdamW>(
@@ -221,7 +310,8 @@ int run(int argc, char** argv) {
     }
   }
   const int64_t global_batch = a.batch * mesh->dp_size();
-  double worst_loss = 0.0;
+  double worst_loss = 0.0, worst_drift = 0.0;
+  std::optional<double> worst_table;
   const auto start = std::chrono::steady_clock::now();
   for (int step = first_step; step <= a.steps; ++step) {
     const auto [inputs, target] = corpus.batch(step, global_batch, a.seq);
@@ -233,6 +323,7 @@ int run(int argc, char** argv) {
         pipe.step(mine->first ? std::vector<at::Tensor>{share(inputs)} : std::vector<at::Tensor>{},
                   mine->last ? std::vector<at::Tensor>{share(target)} : std::vector<at::Tensor>{});
     torch_mp::clip_grad_norm_(parameters, a.clip, 2.0, mesh);
+    set_learning_rate(optimizer, schedule.at(step));
     optimizer.step();
     // The whole batch's loss: the last stage's, once per data rank, averaged.
     auto shared = torch::zeros({1}, torch::kDouble);
@@ -250,8 +341,13 @@ int run(int argc, char** argv) {
       const auto expected = gpt::dense_loss(reference->forward(inputs), target);
       expected.backward();
       torch::nn::utils::clip_grad_norm_(reference->parameters(), a.clip);
+      set_learning_rate(*reference_optimizer, schedule.at(step));
       reference_optimizer->step();
-      worst_loss = std::max(worst_loss, std::abs(value - expected.item<double>()));
+      double& worst = step <= kExactSteps ? worst_loss : worst_drift;
+      worst = std::max(worst, std::abs(value - expected.item<double>()));
+      if (step == std::min(a.steps, kExactSteps)) {  // a collective
+        worst_table = table_difference(mine, reference);
+      }
       char text[64];
       std::snprintf(text, sizeof(text), "  (one process: %.4f)", expected.item<double>());
       line += text;
@@ -268,32 +364,42 @@ int run(int argc, char** argv) {
   if (!a.probe.empty()) {
     write_probe(a, corpus, stages, mesh);
   }
+  if (a.sample > 0) {
+    show_sample(a, corpus, stages, mesh);
+  }
   if (!a.check) {
     return EXIT_SUCCESS;
   }
-  // The trained token table (first stage) and head (last stage), gathered over the tensor group.
-  double worst_table = 0.0;
-  for (const auto& table : {mine->tok, mine->head}) {
-    if (table) {
-      const auto gathered = table->to_dense()->weight;
-      worst_table =
-          std::max(worst_table, (gathered - reference->tok->weight).abs().max().item<double>());
-    }
+  const bool exact = worst_table.has_value();  // compared after step min(steps, 10)
+  if (!exact) {                                // resumed after it: compared at the end
+    worst_table = table_difference(mine, reference);
   }
-  auto worst = torch::tensor({worst_loss, worst_table}, torch::kDouble);
+  auto worst = torch::tensor({worst_loss, worst_drift, *worst_table}, torch::kDouble);
   worst = torch_mp::comm::all_reduce(worst, mesh->world, c10d::ReduceOp::MAX);
-  worst_loss = worst[0].item<double>();
-  worst_table = worst[1].item<double>();
-  const bool ok = worst_loss <= kLossTolerance && worst_table <= kParameterTolerance;
+  const double table_tolerance = exact ? kParameterTolerance : kParameterDrift;
+  const bool ok = worst[0].item<double>() <= kLossTolerance &&
+                  worst[1].item<double>() <= kLossDrift &&
+                  worst[2].item<double>() <= table_tolerance;
   if (is_rank0) {
     std::printf(
-        "agreement with the one-process reference: losses max |diff| %.2e (tolerance "
-        "%.0e), token table max |diff| %.2e (tolerance %.0e): %s\n",
-        worst_loss,
+        "agreement with the one-process reference: losses of steps 1-%d max |diff| %.2e "
+        "(tolerance %.0e), token table after step %d max |diff| %.2e (tolerance %.0e)",
+        std::min(a.steps, kExactSteps),
+        worst[0].item<double>(),
         kLossTolerance,
-        worst_table,
-        kParameterTolerance,
-        ok ? "OK" : "MISMATCH");
+        exact ? std::min(a.steps, kExactSteps) : a.steps,
+        worst[2].item<double>(),
+        table_tolerance);
+    if (a.steps > kExactSteps) {
+      std::printf(
+          ", losses of steps %d-%d max |diff| %.2e (tolerance %.0e, as rounding "
+          "differences compound)",
+          kExactSteps + 1,
+          a.steps,
+          worst[1].item<double>(),
+          kLossDrift);
+    }
+    std::printf(": %s\n", ok ? "OK" : "MISMATCH");
   }
   return ok ? EXIT_SUCCESS : EXIT_FAILURE;
 }

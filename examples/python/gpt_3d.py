@@ -3,8 +3,11 @@ compares it with the same model trained on one process.
 
 The model is torch_mp.models.gpt's (token and learned position embeddings, pre-LN transformer
 layers under a causal mask, a final LayerNorm and an output head tied to the token embedding),
-trained byte by byte on this repository's README with AdamW and gradient clipping
-(torch_mp.models.gpt_training).
+initialised as GPT-2 is and trained byte by byte on Shakespeare's plays (shipped with the
+package) with AdamW (warm-up, then cosine decay) and gradient clipping
+(torch_mp.models.gpt_training). At the end it prints a sample of text from the trained model;
+``--plot loss.png`` draws the loss curve (and the one-process run's, with ``--check``) and
+``--trace timeline.png`` the pipeline's timeline measured in the last step.
 
 - Tensor parallelism (``--tp``): the vocabulary (embedding rows, logits, loss), the attention
   heads and the MLP are split across the tensor group; ``--sequence-parallel`` also splits the
@@ -39,6 +42,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,14 +57,21 @@ from torch_mp.models import (
     Trainer3D,
     TrainingOptions,
     differences,
+    sample,
 )
 
-# Losses agree to fp32 rounding of sums taken in other orders. Parameters after AdamW agree less
-# tightly: AdamW moves every element by lr * m / sqrt(v), so an element inherits the *relative*
-# error of its own gradient, which is large for the few entries whose gradient is tiny next to
-# the terms summed into it (an absolute error of 1e-9 on a gradient of 1e-6 is 1e-3 relative).
-LOSS_TOLERANCE = 1e-5
-PARAMETER_TOLERANCE = 1e-4
+# Over the first EXACT_STEPS steps losses agree to fp32 rounding of sums taken in other orders.
+# Parameters after AdamW agree less tightly: AdamW moves every element by lr * m / sqrt(v), so an
+# element inherits the *relative* error of its own gradient, which is large for the few entries
+# whose gradient is tiny next to the terms summed into it (an absolute error of 1e-9 on a
+# gradient of 1e-6 is 1e-3 relative). Later the rounding differences compound as the model
+# learns: two one-process runs of the demo that only sum the batch in another order (two halves,
+# gradients accumulated) are 2.5e-4 apart in loss and 2e-3 in parameters by step 60. Beyond
+# EXACT_STEPS the losses (and parameters, when they are compared there) get DRIFT tolerances: far
+# above that noise floor, far below what a wrong gradient gives within a few steps.
+EXACT_STEPS = 10
+LOSS_TOLERANCE, PARAMETER_TOLERANCE = 1e-5, 1e-4
+LOSS_DRIFT, PARAMETER_DRIFT = 1e-2, 5e-2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,18 +82,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="1f1b", choices=pipeline.schedule_names())
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel stages")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per data rank and step")
+    parser.add_argument("--steps", type=int, default=70)
+    parser.add_argument("--batch", type=int, default=32, help="sequences per data rank and step")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32, help="divisible by --tp")
-    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4, help="divisible by --tp")
-    parser.add_argument("--ffn", type=int, default=64, help="divisible by --tp")
+    parser.add_argument("--ffn", type=int, default=128, help="divisible by --tp")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=10, help="steps of linear warm-up")
+    parser.add_argument(
+        "--decay-steps", type=int, default=None, help="the cosine decay's end (default: --steps)"
+    )
+    parser.add_argument(
+        "--min-lr", type=float, default=None, help="reached at its end (default: lr / 10)"
+    )
     parser.add_argument("--clip", type=float, default=0.5, help="max gradient norm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="compare with a one-process run")
+    parser.add_argument(
+        "--sample", type=int, default=200, help="bytes of text to sample at the end (0: none)"
+    )
+    parser.add_argument("--temperature", type=float, default=0.8, help="of the sampling")
+    parser.add_argument("--plot", help="write the loss curve to this .png or .svg")
+    parser.add_argument("--trace", help="write the last step's pipeline timeline to this file")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--checkpoint", default="checkpoints/gpt_3d", help="checkpoint directory")
     parser.add_argument(
@@ -110,6 +134,9 @@ def options_of(args: argparse.Namespace) -> TrainingOptions:
         ddp=args.ddp,
         lr=args.lr,
         clip=args.clip,
+        warmup=args.warmup,
+        decay_steps=args.steps if args.decay_steps is None else args.decay_steps,
+        min_lr=args.lr / 10 if args.min_lr is None else args.min_lr,
     )
 
 
@@ -118,6 +145,43 @@ def progress(step: int, steps: int, loss: float, tokens_per_s: float) -> str:
     return (
         f"[{'#' * done}{'.' * (20 - done)}] step {step}/{steps}  loss {loss:.4f}  "
         f"{tokens_per_s:,.0f} tokens/s"
+    )
+
+
+def plot(path: str, losses: dict[int, float], reference: dict[int, float]) -> None:
+    """The loss curve of the run (and of the one-process reference) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(list(losses), list(losses.values()), label="tp x pp x dp")
+    if reference:
+        axes.plot(list(reference), list(reference.values()), "--", label="one process")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats per byte)")
+    axes.legend()
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    print(f"wrote the loss curve to {path}")
+
+
+def show_sample(trainer: Trainer3D, config: GPTConfig, corpus: Corpus, args) -> None:
+    """Rank 0 prints text sampled from the trained model (gathered whole onto it)."""
+    state = trainer.dense_state()  # a collective
+    if state is None:
+        return
+    model = DenseGPT(config)
+    model.load_state_dict(state)
+    prompt = corpus.ids[None, : config.seq // 2]
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = sample(model, prompt, args.sample, args.temperature, generator)
+    print(
+        f"sampled from the trained model (temperature {args.temperature}), after the prompt "
+        f"{corpus.decode(prompt[0].tolist())!r}:\n{corpus.decode(ids[0].tolist())}\n----"
     )
 
 
@@ -140,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     global_batch = args.batch * mesh.dp_size
-    worst_loss = 0.0
+    losses: dict[int, float] = {}
+    expected_losses: dict[int, float] = {}
+    worst_loss = worst_drift = 0.0
+    worst_param = None
     first = 1
     if args.resume and os.path.isdir(args.checkpoint):
         first = trainer.load(args.checkpoint) + 1
@@ -159,28 +226,57 @@ def main(argv: list[str] | None = None) -> int:
         loss = trainer.step(inputs[mine], target[mine])
         tokens_per_s = global_batch * args.seq * (step - first + 1) / (time.perf_counter() - start)
         line = progress(step, args.steps, loss, tokens_per_s)
+        losses[step] = loss
         if reference is not None:
             expected = reference.step(inputs, target)
-            worst_loss = max(worst_loss, abs(loss - expected))
+            expected_losses[step] = expected
+            if step <= EXACT_STEPS:
+                worst_loss = max(worst_loss, abs(loss - expected))
+            else:
+                worst_drift = max(worst_drift, abs(loss - expected))
+            if step == min(args.steps, EXACT_STEPS):  # a collective
+                worst_param = max(differences(trainer, reference.model).values())
             line += f"  (one process: {expected:.4f})"
         if rank == 0:
             print(line, flush=True)
         if args.save_every and step % args.save_every == 0:
             trainer.save(args.checkpoint, step)
+    if args.trace:
+        trace = trainer.pipe.gathered_trace()  # a collective over the pipeline group
+        if rank == 0 and trace is not None:
+            Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
+            pipeline.render(trace, args.trace, title=f"{args.schedule}, step {args.steps} measured")
+            print(f"wrote the last step's pipeline timeline to {args.trace}")
+    if rank == 0 and args.plot:
+        plot(args.plot, losses, expected_losses)
+    if args.sample:
+        show_sample(trainer, config_of(args, corpus.vocab), corpus, args)
     if reference is None:
         dist.destroy_process_group()
         return 0
-    worst_param = max(differences(trainer, reference.model).values())
-    worst = torch.tensor([worst_loss, worst_param], dtype=torch.float64)
+    exact = worst_param is not None  # compared at step min(steps, EXACT_STEPS)
+    if not exact:  # resumed after it: compared at the end
+        worst_param = max(differences(trainer, reference.model).values())
+    worst = torch.tensor([worst_loss, worst_drift, worst_param], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    worst_loss, worst_param = worst.tolist()
-    ok = worst_loss <= LOSS_TOLERANCE and worst_param <= PARAMETER_TOLERANCE
+    worst_loss, worst_drift, worst_param = worst.tolist()
+    param_tolerance = PARAMETER_TOLERANCE if exact else PARAMETER_DRIFT
+    ok = worst_loss <= LOSS_TOLERANCE and worst_drift <= LOSS_DRIFT
+    ok = ok and worst_param <= param_tolerance
     if rank == 0:
-        print(
-            f"agreement with the one-process reference: losses max |diff| {worst_loss:.2e} "
-            f"(tolerance {LOSS_TOLERANCE:.0e}), parameters max |diff| {worst_param:.2e} "
-            f"(tolerance {PARAMETER_TOLERANCE:.0e}): {'OK' if ok else 'MISMATCH'}"
+        exact_steps = min(args.steps, EXACT_STEPS)
+        line = (
+            f"agreement with the one-process reference: losses of steps 1-{exact_steps} max "
+            f"|diff| {worst_loss:.2e} (tolerance {LOSS_TOLERANCE:.0e}), parameters after step "
+            f"{exact_steps if exact else args.steps} max |diff| {worst_param:.2e} (tolerance "
+            f"{param_tolerance:.0e})"
         )
+        if args.steps > EXACT_STEPS:
+            line += (
+                f", losses of steps {EXACT_STEPS + 1}-{args.steps} max |diff| {worst_drift:.2e} "
+                f"(tolerance {LOSS_DRIFT:.0e}, as rounding differences compound)"
+            )
+        print(f"{line}: {'OK' if ok else 'MISMATCH'}")
     dist.destroy_process_group()
     return 0 if ok else 1
 

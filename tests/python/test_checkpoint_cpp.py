@@ -2,8 +2,8 @@
 torchrun, saves a checkpoint that Python loads, and resumes from one that Python saved; the
 dense model's logits agree on both sides.
 
-Both sides run one model: examples/cpp/gpt.h is the C++ twin of torch_mp.models.DenseGPT (the
-example's defaults are GPTConfig's). Logits are compared to 1e-5: LibTorch's and Python's
+Both sides run one model: examples/cpp/gpt.h is the C++ twin of torch_mp.models.DenseGPT (run
+here at GPTConfig's default sizes). Logits are compared to 1e-5: LibTorch's and Python's
 multi-head attention are the same maths in another order."""
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / os.environ.get("TORCH_MP_BUILD", "build") / "examples/cpp/gpt_3d"
 TORCHRUN = Path(os.sys.executable).with_name("torchrun")
 TOLERANCE = 1e-5
+SIZES = ("--hidden", "32", "--ffn", "64", "--batch", "8")  # GPTConfig's defaults, a small batch
 
 
 def _dense(seed: int) -> DenseGPT:
     torch.manual_seed(seed)
-    return DenseGPT(GPTConfig(Corpus(ROOT / "README.md").vocab))  # the example's corpus
+    return DenseGPT(GPTConfig(Corpus().vocab))  # the example's corpus
 
 
 def _torchrun(nproc: int, *args: str) -> str:
     assert EXAMPLE.exists(), f"{EXAMPLE} is not built (make build)"
     result = subprocess.run(
         [str(TORCHRUN), "--standalone", "--no-python", f"--nproc-per-node={nproc}", str(EXAMPLE)]
-        + list(args),
+        + list(SIZES + args),
         cwd=ROOT,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,
@@ -87,18 +88,21 @@ def test_the_cpp_example_resumes_from_a_python_checkpoint_with_equal_logits(tmp_
 
 
 def _losses(out: str) -> dict[str, str]:
-    """The loss the example printed for each step ("step 5/6  loss 4.3166")."""
+    """The loss the example printed for each step ("[####...] step 5/6  loss 4.3166")."""
     return {
         line.split("step ")[1].split()[0]: line.split("loss ")[1].split()[0]
         for line in out.splitlines()
-        if " loss " in line
+        if line.startswith("[") and " loss " in line
     }
 
 
 def test_the_cpp_example_resumes_at_another_layout_on_the_uninterrupted_loss_curve(tmp_path):
-    path = str(tmp_path / "ckpt")
-    _torchrun(2, "--tp", "2", "--steps", "4", "--save-every", "2", "--checkpoint", path)
-    resumed = _losses(_torchrun(2, "--pp", "2", "--steps", "6", "--resume", "--checkpoint", path))
-    whole = _losses(_torchrun(2, "--pp", "2", "--steps", "6"))
+    # A run of 6 steps (its learning rate decays until step 6) stops after step 4.
+    path, run = str(tmp_path / "ckpt"), ("--decay-steps", "6", "--sample", "0")
+    _torchrun(2, "--tp", "2", "--steps", "4", "--save-every", "2", "--checkpoint", path, *run)
+    resumed = _losses(
+        _torchrun(2, "--pp", "2", "--steps", "6", "--resume", "--checkpoint", path, *run)
+    )
+    whole = _losses(_torchrun(2, "--pp", "2", "--steps", "6", *run))
     assert sorted(resumed) == ["5/6", "6/6"]
     assert resumed == {step: whole[step] for step in resumed}

@@ -81,10 +81,23 @@ def test_tp_cnn_example_under_torchrun(nproc):
 
 
 @pytest.mark.parametrize("flags", [["--tp", "2", "--pp", "2", "--dp", "2"]], ids=["2x2x2"])
-def test_gpt_3d_example_under_torchrun(flags):
-    stdout = _run_example("gpt_3d.py", 8, *flags, "--schedule", "1f1b", "--steps", "3", "--check")
+def test_gpt_3d_example_under_torchrun(flags, tmp_path):
+    loss_png, timeline_png = tmp_path / "demo" / "loss.png", tmp_path / "demo" / "timeline.png"
+    stdout = _run_example(
+        "gpt_3d.py",
+        8,
+        *flags,
+        *("--schedule", "1f1b", "--steps", "3", "--check", "--sample", "40"),
+        *("--hidden", "32", "--ffn", "64", "--batch", "8"),
+        *("--plot", str(loss_png), "--trace", str(timeline_png)),
+    )
     assert "tp=2 x pp=2 x dp=2 ranks, schedule 1f1b" in stdout
     assert "step 3/3  loss" in stdout and "tokens/s" in stdout
+    assert "sampled from the trained model" in stdout
+    assert f"wrote the loss curve to {loss_png}" in stdout
+    assert f"wrote the last step's pipeline timeline to {timeline_png}" in stdout
+    for picture in (loss_png, timeline_png):
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
 
 
 def test_gpt_3d_killed_and_relaunched_by_torchrun_resumes_and_matches_one_process(tmp_path):

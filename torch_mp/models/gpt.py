@@ -16,6 +16,7 @@ when one stage holds both).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +27,22 @@ from torch.nn import functional as F
 import torch_mp
 from torch_mp import collectives
 
-__all__ = ["Corpus", "DenseGPT", "GPTConfig", "GPTStage", "build_stages", "dense_loss"]
+__all__ = [
+    "Corpus",
+    "DenseGPT",
+    "GPTConfig",
+    "GPTStage",
+    "build_stages",
+    "dense_loss",
+    "gpt2_init_std",
+    "sample",
+]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+#: The corpus the examples train on: Shakespeare's plays (public domain), the first 300 KB of
+#: the "tiny Shakespeare" collection.
+SHAKESPEARE = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+#: GPT-2's standard deviation for the weights of every table and projection.
+INIT_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,7 @@ class Corpus:
     """The bytes of a text file as token ids (its distinct bytes, in order, numbered from 0),
     cut into random windows, the same on every rank for the same step (and in C++)."""
 
-    def __init__(self, path: Path | str = README) -> None:
+    def __init__(self, path: Path | str = SHAKESPEARE) -> None:
         data = Path(path).read_bytes()
         self.alphabet = sorted(set(data))
         index = {b: i for i, b in enumerate(self.alphabet)}
@@ -68,6 +82,18 @@ class Corpus:
         starts = torch.randint(len(self.ids) - seq - 1, (batch,), generator=g)
         windows = torch.stack([self.ids[s : s + seq + 1] for s in starts.tolist()])
         return windows[:, :-1], windows[:, 1:]
+
+
+def gpt2_init_std(name: str, layers: int) -> float | None:
+    """GPT-2's initial standard deviation of the parameter ``name`` of a ``layers``-layer
+    :class:`DenseGPT`: 0.02 for the tables and projections, ``0.02 / sqrt(2 * layers)`` for the
+    two projections that end a residual branch (``self_attn.out_proj``, ``linear2``: the residual
+    stream sums ``2 * layers`` of them), None for the LayerNorms (weight 1, bias 0)."""
+    if "norm" in name:
+        return None
+    if name.endswith(("self_attn.out_proj.weight", "linear2.weight")):
+        return INIT_STD / math.sqrt(2 * layers)
+    return INIT_STD
 
 
 class DenseGPT(nn.Module):
@@ -97,8 +123,11 @@ class DenseGPT(nn.Module):
             for _ in range(config.layers)
         )
         self.norm = nn.LayerNorm(config.hidden)
-        with torch.no_grad():  # GPT-2's initialisation of the tied table (logits start small)
-            self.tok.weight.normal_(std=0.02)
+        with torch.no_grad():  # GPT-2's initialisation
+            for name, parameter in self.named_parameters():
+                std = gpt2_init_std(name, config.layers)
+                if std is not None:
+                    parameter.normal_(std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.T  # [s, b]
@@ -108,6 +137,29 @@ class DenseGPT(nn.Module):
         for layer in self.layers:
             x = layer(x, src_mask=mask, is_causal=True)
         return self.norm(x) @ self.tok.weight.T
+
+
+@torch.no_grad()
+def sample(
+    model: DenseGPT,
+    prompt: torch.Tensor,
+    length: int,
+    temperature: float = 0.8,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``prompt`` (``[b, s0]`` token ids) continued by ``length`` tokens, each drawn from the
+    softmax of the model's last logits divided by ``temperature`` (the most likely token when it
+    is 0), the model seeing the last ``config.seq`` tokens. Returns ``[b, s0 + length]`` ids."""
+    ids = prompt
+    for _ in range(length):
+        logits = model(ids[:, -model.config.seq :])[-1]  # [b, vocab]
+        if temperature == 0:
+            token = logits.argmax(-1)
+        else:
+            probabilities = torch.softmax(logits / temperature, -1)
+            token = torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+        ids = torch.cat([ids, token[:, None]], 1)
+    return ids
 
 
 def dense_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

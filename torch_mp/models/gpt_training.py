@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,14 +16,14 @@ import torch_mp
 from torch_mp import checkpoint, pipeline
 from torch_mp.models.gpt import DenseGPT, build_stages, dense_loss
 
-__all__ = ["DenseTrainer", "Trainer3D", "TrainingOptions", "differences"]
+__all__ = ["DenseTrainer", "Trainer3D", "TrainingOptions", "differences", "learning_rate"]
 
 
 @dataclass(frozen=True)
 class TrainingOptions:
     """How the GPT is trained: the pipeline schedule and micro-batches, sequence parallelism,
     DistributedDataParallel (``ddp``) or torch_mp.DataParallel stages, AdamW's learning rate
-    and weight decay, and the gradient norm clipped to."""
+    (its schedule: :func:`learning_rate`) and weight decay, and the gradient norm clipped to."""
 
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -31,6 +32,28 @@ class TrainingOptions:
     lr: float = 3e-3
     weight_decay: float = 0.01
     clip: float = 0.5
+    warmup: int = 0
+    decay_steps: int = 0
+    min_lr: float = 0.0
+
+
+def learning_rate(options: TrainingOptions, step: int) -> float:
+    """The learning rate of step ``step`` (from 1): rising linearly to ``lr`` over the first
+    ``warmup`` steps, then falling to ``min_lr`` along a half cosine that ends at step
+    ``decay_steps`` (and staying there); ``lr`` throughout when ``decay_steps`` is 0. (The C++
+    example's schedule, examples/cpp/gpt.h, is the same.)"""
+    if step <= options.warmup:
+        return options.lr * step / options.warmup
+    if options.decay_steps <= 0:
+        return options.lr
+    done = min(1.0, (step - options.warmup) / max(1, options.decay_steps - options.warmup))
+    return options.min_lr + 0.5 * (options.lr - options.min_lr) * (1.0 + math.cos(math.pi * done))
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, options: TrainingOptions, step: int) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(options, step)
+    optimizer.step()
 
 
 class Trainer3D:
@@ -60,12 +83,15 @@ class Trainer3D:
         )
         self.holds_first = self.stages[0].first
         self.holds_last = self.stages[-1].last
+        self.steps_done = 0
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
-        """One optimizer step on this data rank's share of the batch; returns the loss of the
-        whole batch (mean over the data ranks), the same on every rank."""
+        """One optimizer step on this data rank's share of the batch, at the learning rate of
+        the schedule; returns the loss of the whole batch (mean over the data ranks), the same
+        on every rank."""
         loss = self.compute_gradients(inputs, target)
-        self.optimizer.step()
+        self.steps_done += 1
+        _optimizer_step(self.optimizer, self.options, self.steps_done)
         return loss
 
     def compute_gradients(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
@@ -89,6 +115,17 @@ class Trainer3D:
             out.update(stage.gathered())
         return out
 
+    def dense_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's parameters in ``DenseGPT``'s names on global rank 0 (None
+        elsewhere): a collective over every rank."""
+        mine = self.gathered()  # a tensor-group collective: every rank takes part
+        if self.mesh.tp_rank != 0 or self.mesh.dp_rank != 0:
+            mine = {}
+        mine.pop("head.weight", None)  # tied to tok.weight
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        return None if parts is None else {k: v for part in parts for k, v in part.items()}
+
     def save(self, path: str, step: int) -> None:
         """Saves the model and the optimizer in DenseGPT's names (every rank): loadable at
         any other tp x pp x dp, from Python or C++."""
@@ -98,7 +135,9 @@ class Trainer3D:
     def load(self, path: str) -> int:
         """Loads a checkpoint saved at any layout; returns the step it was saved after."""
         renames = [stage.dense_names() for stage in self.stages]
-        return int(checkpoint.load(path, self.stages, self.optimizer, rename=renames)["step"])
+        extra = checkpoint.load(path, self.stages, self.optimizer, rename=renames)
+        self.steps_done = int(extra["step"])
+        return self.steps_done
 
 
 class DenseTrainer:
@@ -109,10 +148,12 @@ class DenseTrainer:
         self.optimizer = torch.optim.AdamW(
             dense.parameters(), lr=options.lr, weight_decay=options.weight_decay
         )
+        self.steps_done = 0
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
         loss = self.compute_gradients(inputs, target)
-        self.optimizer.step()
+        self.steps_done += 1
+        _optimizer_step(self.optimizer, self.options, self.steps_done)
         return loss
 
     def compute_gradients(self, inputs: torch.Tensor, target: torch.Tensor) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,7 @@ from torch import nn
 from torch_mp._C import pipeline as _core
 from torch_mp.data_parallel import stage_hooks
 from torch_mp.mesh import Mesh, get_mesh
-from torch_mp.pipeline.schedule import Schedule
+from torch_mp.pipeline.schedule import Action, Schedule
 
 
 def _as_list(value) -> list[torch.Tensor]:
@@ -155,6 +156,25 @@ class Pipeline:
         to :func:`torch_mp.pipeline.render` or :func:`~torch_mp.pipeline.chrome_trace`."""
         return _Trace(self._core.trace)
 
+    def gathered_trace(self):
+        """Every pipeline rank's :attr:`trace` of the last step, as one trace, on the pipeline
+        group's first rank (None on the others): a collective over the pipeline group. Each
+        rank's times count from its own start of the step."""
+        mine = [(t.rank, str(t.action), t.start, t.end) for t in self._core.trace]
+        ranks = dist.get_process_group_ranks(self.group)
+        first = dist.get_rank() == ranks[0]
+        parts = [None] * len(ranks) if first else None
+        dist.gather_object(mine, parts, group=self.group, group_dst=0)
+        if not first:
+            return None
+        return _Trace(
+            [
+                _TimedAction(rank, Action.parse(action), start, end)
+                for part in parts
+                for rank, action, start, end in part
+            ]
+        )
+
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None):
         """Runs forward and backward over all micro-batches, accumulating gradients.
 
@@ -176,6 +196,13 @@ class Pipeline:
             return None
         output = outputs[0] if len(outputs) == 1 else tuple(outputs)
         return output if loss is None else (output, loss)
+
+
+class _TimedAction(NamedTuple):
+    rank: int
+    action: Action
+    start: float
+    end: float
 
 
 class _Trace:
