@@ -115,15 +115,19 @@ class Trainer3D:
             out.update(stage.gathered())
         return out
 
-    def dense_state(self) -> dict[str, torch.Tensor] | None:
+    def dense_state(self, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters in ``DenseGPT``'s names on global rank 0 (None
-        elsewhere): a collective over every rank."""
+        elsewhere), or on every rank with ``everywhere``: a collective over every rank."""
         mine = self.gathered()  # a tensor-group collective: every rank takes part
         if self.mesh.tp_rank != 0 or self.mesh.dp_rank != 0:
             mine = {}
         mine.pop("head.weight", None)  # tied to tok.weight
-        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, parts, dst=0)
+        if everywhere:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+        else:
+            parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(mine, parts, dst=0)
         return None if parts is None else {k: v for part in parts for k, v in part.items()}
 
     def save(self, path: str, step: int) -> None:
