@@ -24,7 +24,7 @@ namespace tp = tensor_parallel;
 
 constexpr int64_t kWidth = 8;
 
-torch::nn::Linear seeded_linear(int64_t in, int64_t out, uint64_t seed) {
+torch::nn::Linear uniform_linear(int64_t in, int64_t out, uint64_t seed) {
   torch::nn::Linear linear(in, out);
   at::NoGradGuard no_grad;
   auto generator = testing::seeded_generator(seed);
@@ -50,9 +50,9 @@ TEST_P(ClipGradNorm, EqualsTheDenseModel) {
     std::vector<std::vector<torch::nn::Linear>> dense;
     std::vector<at::Tensor> all_params;
     for (int64_t stage = 0; stage < pp_size; ++stage) {
-      dense.push_back({seeded_linear(kWidth, 2 * kWidth, 10 * stage + 1),
-                       seeded_linear(2 * kWidth, kWidth, 10 * stage + 2),
-                       seeded_linear(kWidth, kWidth, 10 * stage + 3)});
+      dense.push_back({uniform_linear(kWidth, 2 * kWidth, 10 * stage + 1),
+                       uniform_linear(2 * kWidth, kWidth, 10 * stage + 2),
+                       uniform_linear(kWidth, kWidth, 10 * stage + 3)});
       auto& b = dense.back();
       b[2]->forward(b[1]->forward(b[0]->forward(x).tanh())).square().mean().backward();
       for (const auto& layer : b) {
@@ -66,7 +66,7 @@ TEST_P(ClipGradNorm, EqualsTheDenseModel) {
         ref[0], tp::ColumnParallelLinearOptions(kWidth, 2 * kWidth).group(mesh.tp_group));
     auto row = tp::RowParallelLinearImpl::from_dense(
         ref[1], tp::RowParallelLinearOptions(2 * kWidth, kWidth).group(mesh.tp_group));
-    auto plain = seeded_linear(kWidth, kWidth, 10 * mesh.pp_rank() + 3);  // replicated
+    auto plain = uniform_linear(kWidth, kWidth, 10 * mesh.pp_rank() + 3);  // replicated
     plain->forward(row->forward(column->forward(x).tanh())).square().mean().backward();
     std::vector<at::Tensor> mine;
     for (const auto& module :

@@ -18,11 +18,11 @@ namespace {
 using testing::all_close;
 using testing::seeded_generator;
 
-constexpr int64_t kWidth = 8;
+constexpr int64_t kFeatures = 8;
 
 // Threads share the global generator, so layers are drawn from their own.
 torch::nn::Linear seeded_linear(uint64_t seed) {
-  torch::nn::Linear linear(kWidth, kWidth);
+  torch::nn::Linear linear(kFeatures, kFeatures);
   at::NoGradGuard no_grad;
   auto generator = seeded_generator(seed);
   linear->weight.uniform_(-0.3, 0.3, generator);
@@ -45,8 +45,8 @@ TEST_P(DataParallelWorld, AccumulatedGradientsEqualTheWholeBatch) {
     DataParallel dp(model, DataParallelOptions().group(mesh.dp_group).bucket_cap_mb(1e-4));
     EXPECT_TRUE(at::equal(model->weight, reference->weight)) << "not broadcast from rank 0";
     for (int step = 0; step < 3; ++step) {  // buckets are rebuilt after the first step
-      const auto x = testing::rank_randn({4 * world, kWidth}, 10 + step, 0);
-      const auto y = testing::rank_randn({4 * world, kWidth}, 20 + step, 0);
+      const auto x = testing::rank_randn({4 * world, kFeatures}, 10 + step, 0);
+      const auto y = testing::rank_randn({4 * world, kFeatures}, 20 + step, 0);
       reference->zero_grad();
       mse(reference->forward(x), y).backward();
       dp->zero_grad();
@@ -88,8 +88,8 @@ TEST_P(DataParallelStage, PipelineOfDataParallelStagesEqualsTheWholeModel) {
             .num_microbatches(kMicrobatches)
             .group(mesh.pp_group));
     for (int step = 0; step < 2; ++step) {
-      const auto x = testing::rank_randn({4 * kMicrobatches, kWidth}, 30 + step, 0);
-      const auto y = testing::rank_randn({4 * kMicrobatches, kWidth}, 40 + step, 0);
+      const auto x = testing::rank_randn({4 * kMicrobatches, kFeatures}, 30 + step, 0);
+      const auto y = testing::rank_randn({4 * kMicrobatches, kFeatures}, 40 + step, 0);
       for (auto& layer : whole) {
         layer->zero_grad();
       }

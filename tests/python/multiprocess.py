@@ -1,8 +1,10 @@
 """A pool of real multi-process Gloo worlds for the tests.
 
 Starting N processes that import torch costs seconds on 2 cores, so each world size is started
-once per test session and runs many test bodies. ``World.run(fn, *args)`` runs the importable
-function ``fn(*args)`` on every rank, with ``torch.distributed`` initialised (Gloo, short
+once per test session and runs many test bodies, and its processes are forked from a server that
+imported torch and torch_mp once (multiprocessing's "forkserver", which has started no threads
+and initialised nothing a child could inherit half-done). ``World.run(fn, *args)`` runs the
+importable function ``fn(*args)`` on every rank, with ``torch.distributed`` initialised (Gloo, short
 timeout), and returns the per-rank results; an exception on any rank is raised here with that
 rank's traceback. A body that hangs past ``RUN_TIMEOUT`` kills the world and fails the test.
 """
@@ -56,11 +58,20 @@ def _worker(rank: int, size: int, port: int, tasks: mp.Queue, results: mp.Queue)
     dist.destroy_process_group()
 
 
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo too: torch.optim imports it when the first optimizer is made (1.7 s here).
+    ctx.set_forkserver_preload(
+        ["torch", "torch._dynamo", "torch.distributed", "torch_mp", __name__]
+    )
+    return ctx
+
+
 class World:
     """``size`` worker processes joined in one Gloo world."""
 
     def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.size = size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(size)]
