@@ -27,6 +27,7 @@ from torch_mp.data_parallel import DataParallel
 from torch_mp.layout import ParameterLayout, layout_of, set_layout
 from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
 from torch_mp.parallelize import parallelize
+from torch_mp.recompute import recompute
 from torch_mp.tensor_parallel import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -67,6 +68,7 @@ __all__ = [
     "parallelize",
     "pipeline",
     "random",
+    "recompute",
     "set_layout",
     "set_mesh",
     "tensor_parallel",

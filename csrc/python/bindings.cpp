@@ -17,6 +17,7 @@ namespace torch_mp::python {
 void bind_checkpoint(py::module_& parent);       // checkpoint_bindings.cpp
 void bind_data_parallel(py::module_& parent);    // data_parallel_bindings.cpp
 void bind_pipeline(py::module_& parent);         // pipeline_bindings.cpp
+void bind_recompute(py::module_& module);        // recompute_bindings.cpp
 void bind_tensor_parallel(py::module_& module);  // tensor_parallel_bindings.cpp
 }  // namespace torch_mp::python
 
@@ -29,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   torch_mp::python::bind_pipeline(m);
   torch_mp::python::bind_checkpoint(m);
   torch_mp::python::bind_tensor_parallel(m);
+  torch_mp::python::bind_recompute(m);
 
   // ---- mesh ----
   m.def(

@@ -8,6 +8,8 @@
 
 #include <optional>
 
+#include "torch_mp/recompute.h"
+
 namespace torch_mp::tensor_parallel {
 namespace {
 
@@ -40,6 +42,20 @@ bool RngTracker::has(const std::string& name, c10::Device device) const {
 void RngTracker::reset() {
   std::lock_guard<std::mutex> lock(mutex_);
   states_.clear();
+}
+
+RngTracker::States RngTracker::states() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  States copy;
+  for (const auto& [key, state] : states_) {
+    copy.emplace(key, state.clone());
+  }
+  return copy;
+}
+
+void RngTracker::set_states(States states) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  states_ = std::move(states);
 }
 
 at::Tensor RngTracker::swap_in(const std::string& name, c10::Device device) {
@@ -107,6 +123,7 @@ namespace {
 at::Tensor region_dropout_noise(const at::Tensor& x, double p) {
   std::optional<RngTracker::Fork> fork;
   if (rng_tracker().has(kModelParallelRng, x.device())) {
+    check_recomputable_draw();
     fork.emplace(rng_tracker(), kModelParallelRng, x.device());
   }
   auto noise = at::empty_like(x);

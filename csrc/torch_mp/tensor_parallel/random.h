@@ -32,6 +32,12 @@ class RngTracker {
   /// Forgets every stream.
   void reset();
 
+  /// Every stream's state, by (name, device), e.g. to replay them when a forward is recomputed
+  /// (torch_mp::RandomState); set_states makes such a snapshot current again.
+  using States = std::map<std::pair<std::string, std::string>, at::Tensor>;
+  States states() const;
+  void set_states(States states);
+
   /// Puts stream `name` in place of `device`'s default generator; returns the default's state,
   /// which `swap_out` restores. Raises if the stream does not exist.
   at::Tensor swap_in(const std::string& name, c10::Device device);
@@ -58,9 +64,8 @@ class RngTracker {
   }
 
  private:
-  using Key = std::pair<std::string, std::string>;  // name, device
   mutable std::mutex mutex_;
-  std::map<Key, at::Tensor> states_;
+  States states_;  // by name, device
 };
 
 /// The process-wide tracker.

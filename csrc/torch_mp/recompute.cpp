@@ -1,0 +1,206 @@
+#include "torch_mp/recompute.h"
+
+#include <ATen/Context.h>
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+
+#include "torch_mp/tensor_parallel/random.h"
+
+namespace torch_mp {
+
+// ---- the random streams ----------------------------------------------------------------------
+
+RandomState RandomState::capture(const std::vector<c10::Device>& devices) {
+  RandomState state;
+  std::vector<c10::Device> all{c10::kCPU};
+  for (const auto& device : devices) {
+    if (std::find(all.begin(), all.end(), device) == all.end()) {
+      all.push_back(device);
+    }
+  }
+  for (const auto& device : all) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    state.generators_.emplace_back(device, generator.get_state());
+  }
+  state.tracker_ = tensor_parallel::rng_tracker().states();
+  return state;
+}
+
+void RandomState::restore() const {
+  for (const auto& [device, saved] : generators_) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(saved);
+  }
+  tensor_parallel::rng_tracker().set_states(tracker_);
+}
+
+// ---- where a tracker draw is safe ------------------------------------------------------------
+
+namespace {
+
+// The saved-tensor hooks depth of the innermost RecomputeScope on this thread; -1: none.
+thread_local std::ptrdiff_t scope_depth = -1;
+
+std::ptrdiff_t hooks_depth() {
+  return static_cast<std::ptrdiff_t>(at::SavedTensorDefaultHooks::get_tls_state().stack.size());
+}
+
+std::mutex probe_mutex;
+std::function<bool()> checkpoint_probe;
+
+bool under_torch_checkpoint() {
+  std::function<bool()> probe;
+  {
+    std::lock_guard<std::mutex> lock(probe_mutex);
+    probe = checkpoint_probe;
+  }
+  return probe && probe();
+}
+
+constexpr const char* kUseRecompute =
+    "; it restores the default generators only, so the recomputed forward would draw other "
+    "dropout masks and the gradients would be wrong. Use torch_mp.recompute (C++: "
+    "torch_mp::recompute), which replays the per-rank stream too, or the layer's recompute "
+    "option";
+
+}  // namespace
+
+RecomputeScope::RecomputeScope() : saved_depth_(scope_depth) { scope_depth = hooks_depth(); }
+
+RecomputeScope::~RecomputeScope() { scope_depth = saved_depth_; }
+
+void check_recomputable_draw() {
+  const auto depth = hooks_depth();
+  if (scope_depth == depth) {
+    return;
+  }
+  TORCH_CHECK(depth == 0 || !under_torch_checkpoint(),
+              "torch_mp: dropout inside a tensor-parallel region (drawn from the per-rank stream "
+              "of torch_mp.random) under torch.utils.checkpoint",
+              kUseRecompute);
+  TORCH_CHECK(!(torch::autograd::get_current_graph_task_id() != -1 && at::GradMode::is_enabled()),
+              "torch_mp: dropout inside a tensor-parallel region (drawn from the per-rank stream "
+              "of torch_mp.random) run again inside a backward pass, as a reentrant "
+              "torch.utils.checkpoint (use_reentrant=True) recomputes",
+              kUseRecompute);
+}
+
+void set_checkpoint_hooks_probe(std::function<bool()> probe) {
+  std::lock_guard<std::mutex> lock(probe_mutex);
+  checkpoint_probe = std::move(probe);
+}
+
+// ---- recompute -------------------------------------------------------------------------------
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What the backward needs besides the inputs: the function and the streams it started from.
+struct Replay : torch::CustomClassHolder {
+  RecomputeFunction fn;
+  RandomState state;
+};
+
+std::vector<c10::Device> devices_of(const variable_list& tensors) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : tensors) {
+    if (t.defined() && !t.device().is_cpu()) {
+      devices.push_back(t.device());
+    }
+  }
+  return devices;
+}
+
+struct Recompute : torch::autograd::Function<Recompute> {
+  static variable_list forward(AutogradContext* ctx,
+                               const RecomputeFunction& fn,
+                               at::TensorList tensors) {
+    const auto inputs = tensors.vec();
+    auto replay = c10::make_intrusive<Replay>();
+    replay->fn = fn;
+    replay->state = RandomState::capture(devices_of(inputs));
+    variable_list outputs;
+    {
+      RecomputeScope scope;
+      outputs = fn(inputs);
+    }
+    ctx->save_for_backward(inputs);
+    ctx->saved_data["replay"] = c10::IValue::make_capsule(std::move(replay));
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto replay =
+        c10::static_intrusive_pointer_cast<Replay>(ctx->saved_data["replay"].toCapsule());
+    variable_list inputs;
+    for (const auto& t : ctx->get_saved_variables()) {
+      inputs.push_back(t.detach().requires_grad_(t.requires_grad()));
+    }
+    // The forward again, from the streams it first started from; then the streams as they are
+    // now come back (other forwards may have drawn since).
+    const auto now = RandomState::capture(devices_of(inputs));
+    variable_list outputs;
+    try {
+      replay->state.restore();
+      RecomputeScope scope;
+      torch::autograd::AutoGradMode grad_mode(true);
+      outputs = replay->fn(inputs);
+    } catch (...) {
+      now.restore();
+      throw;
+    }
+    now.restore();
+    variable_list roots, root_grads;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].requires_grad() && grads[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    }
+    if (!roots.empty()) {
+      torch::autograd::AutoGradMode grad_mode(true);
+      torch::autograd::backward(roots, root_grads);
+    }
+    variable_list result{at::Tensor()};  // fn's
+    for (const auto& input : inputs) {
+      result.push_back(input.requires_grad() ? input.grad() : at::Tensor());
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> recompute(const RecomputeFunction& fn,
+                                  const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(fn, "torch_mp::recompute: no function");
+  const bool any_grad = std::any_of(
+      inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.requires_grad(); });
+  if (!at::GradMode::is_enabled()) {
+    return fn(inputs);  // nothing to differentiate, nothing to keep
+  }
+  if (!any_grad) {
+    // The node would have no inputs to hang on, and the parameters inside fn no gradients.
+    TORCH_WARN_ONCE(
+        "torch_mp::recompute: no input requires grad, so the function runs without "
+        "recomputation (its activations are kept)");
+    return fn(inputs);
+  }
+  return Recompute::apply(fn, at::TensorList(inputs));
+}
+
+}  // namespace torch_mp
