@@ -72,8 +72,7 @@ bool under_torch_checkpoint() {
 constexpr const char* kUseRecompute =
     "; it restores the default generators only, so the recomputed forward would draw other "
     "dropout masks and the gradients would be wrong. Use torch_mp.recompute (C++: "
-    "torch_mp::recompute), which replays the per-rank stream too, or the layer's recompute "
-    "option";
+    "torch_mp::recompute), which replays the per-rank stream too";
 
 }  // namespace
 
