@@ -1,6 +1,7 @@
 // Bindings of recomputation (csrc/torch_mp/recompute.h): the scope in which the RNG tracker's
-// streams may be drawn from, the probe that recognises torch.utils.checkpoint, and snapshots of
-// the tracker's streams (torch_mp._C). Argument conversion only.
+// streams may be drawn from, and the probe that recognises torch.utils.checkpoint (torch_mp._C).
+// Snapshots of the tracker's streams are bound with the tracker (tensor_parallel_bindings.cpp).
+// Argument conversion only.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -9,7 +10,6 @@
 #include <optional>
 
 #include "torch_mp/recompute.h"
-#include "torch_mp/tensor_parallel/random.h"
 
 namespace py = pybind11;
 
@@ -48,13 +48,6 @@ void bind_recompute(py::module_& m) {
         });
       },
       py::arg("probe"));
-  m.def("rng_states", [] { return tensor_parallel::rng_tracker().states(); });
-  m.def(
-      "rng_set_states",
-      [](tensor_parallel::RngTracker::States states) {
-        tensor_parallel::rng_tracker().set_states(std::move(states));
-      },
-      py::arg("states"));
 }
 
 }  // namespace torch_mp::python

@@ -40,6 +40,11 @@ void bind_random(py::module_& m) {
       py::arg("name"),
       py::arg("device"));
   m.def("rng_reset", [] { tp::rng_tracker().reset(); });
+  m.def("rng_states", [] { return tp::rng_tracker().states(); });
+  m.def(
+      "rng_set_states",
+      [](tp::RngTracker::States states) { tp::rng_tracker().set_states(std::move(states)); },
+      py::arg("states"));
   m.def(
       "rng_swap_in",
       [](const std::string& name, const std::string& device) {

@@ -11,7 +11,6 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
-#include <memory>
 #include <mutex>
 
 #include "torch_mp/tensor_parallel/random.h"
