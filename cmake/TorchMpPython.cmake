@@ -9,11 +9,12 @@ Python3_add_library(_C MODULE WITH_SOABI
   csrc/python/bindings.cpp
   csrc/python/checkpoint_bindings.cpp
   csrc/python/data_parallel_bindings.cpp
+  csrc/python/optim_bindings.cpp
   csrc/python/pipeline_bindings.cpp
   csrc/python/recompute_bindings.cpp
   csrc/python/tensor_parallel_bindings.cpp
   $<TARGET_OBJECTS:torch_mp_core>)
-torch_mp_unity_build(_C 6)
+torch_mp_unity_build(_C 7)
 target_include_directories(_C PRIVATE ${PROJECT_SOURCE_DIR}/csrc)
 target_link_libraries(_C PRIVATE ${TORCH_MP_TORCH_LIBRARIES} ${TORCH_PYTHON_LIBRARY})
 target_compile_definitions(_C PRIVATE TORCH_EXTENSION_NAME=_C)

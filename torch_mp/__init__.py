@@ -17,6 +17,7 @@ from torch_mp import (
     data_parallel,
     dense,
     functional,
+    optim,
     pipeline,
     random,
     tensor_parallel,
@@ -26,6 +27,7 @@ from torch_mp.clip_grad import clip_grad_norm_
 from torch_mp.data_parallel import DataParallel
 from torch_mp.layout import ParameterLayout, layout_of, set_layout
 from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
+from torch_mp.optim import DistributedOptimizer
 from torch_mp.parallelize import parallelize
 from torch_mp.recompute import recompute
 from torch_mp.tensor_parallel import (
@@ -47,6 +49,7 @@ __all__ = [
     "ColumnParallelConv2d",
     "ColumnParallelLinear",
     "DataParallel",
+    "DistributedOptimizer",
     "Mesh",
     "ParameterLayout",
     "ParallelConvBlock",
@@ -65,6 +68,7 @@ __all__ = [
     "get_mesh",
     "init",
     "layout_of",
+    "optim",
     "parallelize",
     "pipeline",
     "random",

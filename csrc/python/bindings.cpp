@@ -16,6 +16,7 @@ namespace py = pybind11;
 namespace torch_mp::python {
 void bind_checkpoint(py::module_& parent);       // checkpoint_bindings.cpp
 void bind_data_parallel(py::module_& parent);    // data_parallel_bindings.cpp
+void bind_optim(py::module_& parent);            // optim_bindings.cpp
 void bind_pipeline(py::module_& parent);         // pipeline_bindings.cpp
 void bind_recompute(py::module_& module);        // recompute_bindings.cpp
 void bind_tensor_parallel(py::module_& module);  // tensor_parallel_bindings.cpp
@@ -27,6 +28,7 @@ using torch_mp::python::resolve;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
   torch_mp::python::bind_data_parallel(m);
+  torch_mp::python::bind_optim(m);
   torch_mp::python::bind_pipeline(m);
   torch_mp::python::bind_checkpoint(m);
   torch_mp::python::bind_tensor_parallel(m);

@@ -88,6 +88,26 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   return at::cat(outputs[0], dim);
 }
 
+void all_gather_into(const at::Tensor& output, const at::Tensor& input, const GroupPtr& group) {
+  check_group(group);
+  const int64_t chunk = input.numel();
+  TORCH_CHECK(
+      output.dim() == 1 && output.is_contiguous() && output.numel() == chunk * group->getSize(),
+      "torch_mp.all_gather_into: the output must be 1-D, contiguous and hold the group's ",
+      group->getSize(),
+      " inputs of ",
+      chunk,
+      " elements; got ",
+      output.sizes());
+  check_operands(input, group, "all_gather");
+  std::vector<at::Tensor> inputs{input.reshape({-1}).contiguous()};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int i = 0; i < group->getSize(); ++i) {
+    outputs[0].push_back(output.narrow(0, i * chunk, chunk));
+  }
+  wait_for(group->allgather(outputs, inputs), group, "all_gather");
+}
+
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   check_group(group);
   check_operands(x, group, "reduce_scatter");

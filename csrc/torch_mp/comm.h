@@ -29,6 +29,10 @@ at::Tensor all_reduce(const at::Tensor& x,
 /// The group's tensors concatenated along `dim`, in rank order.
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group);
 
+/// Writes the group's `input`s into `output` (1-D, group size x input's elements), in rank
+/// order: an all-gather without the concatenation's copy. `input` must not alias `output`.
+void all_gather_into(const at::Tensor& output, const at::Tensor& input, const GroupPtr& group);
+
 /// This rank's chunk along `dim` of the sum of `x` over the group.
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group);
 

@@ -12,6 +12,8 @@
 #include "torch_mp/dense.h"                              // IWYU pragma: export
 #include "torch_mp/layout.h"                             // IWYU pragma: export
 #include "torch_mp/mesh.h"                               // IWYU pragma: export
+#include "torch_mp/optim/distributed_optimizer.h"          // IWYU pragma: export
+#include "torch_mp/optim/parameter_shards.h"              // IWYU pragma: export
 #include "torch_mp/pipeline/executor.h"                  // IWYU pragma: export
 #include "torch_mp/pipeline/partition.h"                 // IWYU pragma: export
 #include "torch_mp/pipeline/pipeline.h"                  // IWYU pragma: export

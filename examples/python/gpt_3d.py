@@ -17,7 +17,8 @@ package) with AdamW (warm-up, then cosine decay) and gradient clipping
   to it across the pipeline (its gradient summed with the embedding's after every step).
 - Data parallelism (``--dp``): every replica sees its own share of each batch; each stage is
   wrapped in ``torch_mp.DataParallel`` (or, with ``--ddp``, PyTorch's DistributedDataParallel)
-  and the gradients are averaged once per step.
+  and the gradients are averaged once per step. ``--zero`` shards AdamW's state over the data
+  ranks (``torch_mp.DistributedOptimizer``, ZeRO-1).
 
 - Checkpoints (``--save-every N --checkpoint DIR``, ``--resume``): model and AdamW state in the
   dense model's names (torch_mp.checkpoint), so a run saved at one layout resumes at another.
@@ -80,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="1f1b", choices=pipeline.schedule_names())
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel stages")
+    parser.add_argument(
+        "--zero", action="store_true", help="shard AdamW's state over the data ranks (ZeRO-1)"
+    )
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--batch", type=int, default=32, help="sequences per data rank and step")
     parser.add_argument("--microbatches", type=int, default=4)
@@ -130,6 +134,7 @@ def options_of(args: argparse.Namespace) -> TrainingOptions:
         microbatches=args.microbatches,
         sequence_parallel=args.sequence_parallel,
         ddp=args.ddp,
+        zero=args.zero,
         lr=args.lr,
         clip=args.clip,
         warmup=args.warmup,
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             f"GPT, {args.layers} layers of hidden size {args.hidden}, vocabulary {corpus.vocab}: "
             f"tp={mesh.tp_size} x pp={mesh.pp_size} x dp={mesh.dp_size} ranks, schedule "
             f"{args.schedule}, sequence parallel {'on' if args.sequence_parallel else 'off'}, "
-            f"{'DistributedDataParallel' if args.ddp else 'torch_mp.DataParallel'}",
+            f"{'DistributedDataParallel' if args.ddp else 'torch_mp.DataParallel'}"
+            f"{', AdamW sharded over the data ranks' if args.zero else ''}",
             flush=True,
         )
     global_batch = args.batch * mesh.dp_size

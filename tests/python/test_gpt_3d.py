@@ -49,9 +49,11 @@ def _gradients(trainer: Trainer3D) -> dict[str, torch.Tensor]:
             p.data, p.grad = p.grad, p.data
 
 
-def _train_3d(tp: int, pp: int, schedule: str, sequence_parallel: bool, ddp: bool) -> None:
+def _train_3d(
+    tp: int, pp: int, schedule: str, sequence_parallel: bool, ddp: bool, zero: bool = False
+) -> None:
     options = TrainingOptions(
-        schedule=schedule, microbatches=2, sequence_parallel=sequence_parallel, ddp=ddp
+        schedule=schedule, microbatches=2, sequence_parallel=sequence_parallel, ddp=ddp, zero=zero
     )
     mesh = use_mesh(tp, pp)
     corpus = Corpus()
@@ -83,6 +85,11 @@ def _train_3d(tp: int, pp: int, schedule: str, sequence_parallel: bool, ddp: boo
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_gpt_2x2x2_equals_one_process(schedule, sequence_parallel, ddp, world8):
     world8.run(_train_3d, 2, 2, schedule, sequence_parallel, ddp)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_gpt_2x2x2_with_the_distributed_optimizer_equals_one_process(schedule, world8):
+    world8.run(_train_3d, 2, 2, schedule, False, False, True)
 
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["DataParallel", "DDP"])

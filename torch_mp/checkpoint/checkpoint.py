@@ -14,7 +14,9 @@ what it holds, so any layout reads what any other wrote.
 
 Optimizer state is kept per parameter, as ``optim/<dense name>/<state>``: a state tensor shaped
 like its parameter (Adam's moments) is laid out, and resharded, as the parameter; anything else
-(a step count) is kept whole.
+(a step count) is kept whole. A ``DistributedOptimizer``'s state is gathered from the data ranks
+when saved and each data rank keeps its part when loaded, so a checkpoint does not depend on
+the data-parallel size or on whether the optimizer was sharded.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch_mp.checkpoint.dense import (
 )
 from torch_mp.checkpoint.safetensors import load_file
 from torch_mp.mesh import Mesh, get_mesh
+from torch_mp.optim import DistributedOptimizer
 
 EXTRA = "extra.pt"
 MODEL = "model/"  # the prefix of the model's tensors in a checkpoint (optim/ for the optimizer's)
@@ -130,13 +133,14 @@ def save(
     shards: list = []
     values: dict[str, Any] = {}
     problems: list[str] = []
+    state = _state_by_parameter(optimizer)
     with _collected(problems):
         named = _all_dense_tensors(model, rename)
         shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
         if optimizer is not None:
             _check_optimizer_named(optimizer, named)
             for name, p, is_parameter in named:
-                for key, value in optimizer.state.get(p, {}).items() if is_parameter else ():
+                for key, value in state.get(p, {}).items() if is_parameter else ():
                     full = f"optim/{name}/{key}"
                     if isinstance(value, torch.Tensor):
                         shaped = value.shape == p.shape and value.dim() > 0
@@ -163,6 +167,16 @@ def save(
     _C.checkpoint.save(
         os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}, _world_name()
     )
+
+
+def _state_by_parameter(optimizer: torch.optim.Optimizer | None) -> dict:
+    """The optimizer's state by parameter; a DistributedOptimizer's gathered from the data
+    ranks (collective over its group), as a plain optimizer would hold it."""
+    if optimizer is None:
+        return {}
+    if isinstance(optimizer, DistributedOptimizer):
+        return optimizer.gathered_state()
+    return optimizer.state
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict]:
@@ -221,13 +235,19 @@ def load(
         for group, saved_group in zip(optimizer.param_groups, groups, strict=False):  # [] from C++
             for key, value in saved_group.items():
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        loaded: dict[torch.Tensor, dict[str, Any]] = {}
         for p, key, value in states:
-            optimizer.state[p][key] = value
+            loaded.setdefault(p, {})[key] = value
         values = json.loads(metadata.get("values", "{}"))
         for name, p, is_parameter in named:
             for key, value in values.items():
                 if is_parameter and key.startswith(f"optim/{name}/"):
-                    optimizer.state[p][key.rsplit("/", 1)[1]] = value
+                    loaded.setdefault(p, {})[key.rsplit("/", 1)[1]] = value
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.load_gathered_state(loaded)  # each data rank keeps its shards' part
+        else:
+            for p, state in loaded.items():
+                optimizer.state[p].update(state)
     extra_path = os.path.join(reader.path, EXTRA)
     if os.path.exists(extra_path):
         return torch.load(extra_path, weights_only=False)

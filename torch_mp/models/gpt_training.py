@@ -22,13 +22,15 @@ __all__ = ["DenseTrainer", "Trainer3D", "TrainingOptions", "differences", "learn
 @dataclass(frozen=True)
 class TrainingOptions:
     """How the GPT is trained: the pipeline schedule and micro-batches, sequence parallelism,
-    DistributedDataParallel (``ddp``) or torch_mp.DataParallel stages, AdamW's learning rate
-    (its schedule: :func:`learning_rate`) and weight decay, and the gradient norm clipped to."""
+    DistributedDataParallel (``ddp``) or torch_mp.DataParallel stages, AdamW's state sharded
+    over the data ranks (``zero``: torch_mp.DistributedOptimizer) or not, its learning rate (its
+    schedule: :func:`learning_rate`) and weight decay, and the gradient norm clipped to."""
 
     schedule: str = "1f1b"
     microbatches: int = 4
     sequence_parallel: bool = False
     ddp: bool = False
+    zero: bool = False
     lr: float = 3e-3
     weight_decay: float = 0.01
     clip: float = 0.5
@@ -78,9 +80,13 @@ class Trainer3D:
             tied_parameters=tied,
         )
         self.parameters = [p for s in self.stages for p in s.parameters()]
-        self.optimizer = torch.optim.AdamW(
-            self.parameters, lr=options.lr, weight_decay=options.weight_decay
-        )
+        hyperparameters = {"lr": options.lr, "weight_decay": options.weight_decay}
+        if options.zero:
+            self.optimizer = torch_mp.DistributedOptimizer(
+                self.parameters, torch.optim.AdamW, mesh=mesh, **hyperparameters
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(self.parameters, **hyperparameters)
         self.holds_first = self.stages[0].first
         self.holds_last = self.stages[-1].last
         self.steps_done = 0

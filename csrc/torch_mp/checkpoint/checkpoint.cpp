@@ -2,14 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <unordered_set>
 
+#include "torch_mp/checkpoint/optimizer_state.h"
 #include "torch_mp/tensor_parallel/blocks.h"
 
 namespace torch_mp::checkpoint {
@@ -69,98 +67,6 @@ void walk(const torch::nn::Module& module,
   for (const auto& child : module.named_children()) {
     walk(*child.value(), prefix + child.key() + ".", out);
   }
-}
-
-/// The state tensors of `parameter` in `optimizer` by the Python optimizers' names, and its
-/// step count; empty when it has none yet.
-struct ParamState {
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::optional<int64_t> step;
-};
-
-template <typename State>
-ParamState adam_state(const State& state) {
-  ParamState out{{{"exp_avg", state.exp_avg()}, {"exp_avg_sq", state.exp_avg_sq()}}, state.step()};
-  if (state.max_exp_avg_sq().defined()) {
-    out.tensors.emplace_back("max_exp_avg_sq", state.max_exp_avg_sq());
-  }
-  return out;
-}
-
-ParamState state_of(torch::optim::Optimizer& optimizer, const at::Tensor& parameter) {
-  const auto found = optimizer.state().find(parameter.unsafeGetTensorImpl());
-  if (found == optimizer.state().end()) {
-    return {};
-  }
-  const auto* state = found->second.get();
-  if (const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state)) {
-    return adam_state(*s);
-  }
-  if (const auto* s = dynamic_cast<const torch::optim::AdamParamState*>(state)) {
-    return adam_state(*s);
-  }
-  if (const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(state)) {
-    return {{{"momentum_buffer", s->momentum_buffer()}}, std::nullopt};
-  }
-  TORCH_CHECK(false,
-              "torch_mp::checkpoint: optimizer state of this kind is not supported (Adam, AdamW "
-              "and SGD are)");
-}
-
-/// The kind of state `optimizer` keeps, by the names of its tensors: nullopt if unsupported.
-std::optional<std::vector<std::string>> state_names(const torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) ||
-      dynamic_cast<const torch::optim::Adam*>(&optimizer)) {
-    return std::vector<std::string>{"exp_avg", "exp_avg_sq"};
-  }
-  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
-    return std::vector<std::string>{"momentum_buffer"};
-  }
-  return std::nullopt;
-}
-
-/// Raises unless the saved state `tensors` of parameter `name` fit `optimizer`'s kind.
-void check_state_fits(const torch::optim::Optimizer& optimizer,
-                      const std::map<std::string, at::Tensor>& tensors,
-                      const std::string& name) {
-  const auto names = state_names(optimizer);
-  TORCH_CHECK(names, "optimizers of this kind are not supported (Adam, AdamW and SGD are)");
-  for (const auto& needed : *names) {
-    TORCH_CHECK(tensors.count(needed),
-                "the checkpoint's optimizer state of ",
-                name,
-                " has no ",
-                needed,
-                ": it was saved from another kind of optimizer");
-  }
-}
-
-/// Replaces `parameter`'s state in `optimizer` with `tensors` (checked by check_state_fits)
-/// and step `step`.
-void set_state(torch::optim::Optimizer& optimizer,
-               const at::Tensor& parameter,
-               const std::map<std::string, at::Tensor>& tensors,
-               std::optional<int64_t> step) {
-  const auto get = [&](const char* name) {
-    const auto it = tensors.find(name);
-    return it == tensors.end() ? at::Tensor() : it->second;
-  };
-  std::unique_ptr<torch::optim::OptimizerParamState> state;
-  const auto adam = [&](auto made) {
-    made->exp_avg(get("exp_avg")).exp_avg_sq(get("exp_avg_sq")).step(step.value_or(0));
-    made->max_exp_avg_sq(get("max_exp_avg_sq"));
-    state = std::move(made);
-  };
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
-    adam(std::make_unique<torch::optim::AdamWParamState>());
-  } else if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
-    adam(std::make_unique<torch::optim::AdamParamState>());
-  } else {
-    auto made = std::make_unique<torch::optim::SGDParamState>();
-    made->momentum_buffer(get("momentum_buffer"));
-    state = std::move(made);
-  }
-  optimizer.state()[parameter.unsafeGetTensorImpl()] = std::move(state);
 }
 
 std::vector<DenseTensor> all_dense_tensors(const std::vector<Stage>& stages) {
@@ -236,11 +142,13 @@ void save(const std::string& path,
                 "the optimizer holds ",
                 outside,
                 " parameters that the stages do not name; their state would be lost");
+    const auto states = states_by_parameter(*optimizer);
     for (const auto& t : tensors) {
-      if (!t.is_parameter) {
+      const auto found = states.find(t.tensor.unsafeGetTensorImpl());
+      if (!t.is_parameter || found == states.end()) {
         continue;
       }
-      const auto state = state_of(*optimizer, t.tensor);
+      const auto& state = found->second;
       const std::string prefix = "optim/" + t.name + "/";
       for (const auto& [name, value] : state.tensors) {
         shards.push_back(shard_of(prefix + name, value, t.tensor, mesh->tp_group));
@@ -322,10 +230,14 @@ std::map<std::string, std::string> load(const std::string& path,
   });
   raise_anywhere(problems, "torch_mp::checkpoint: cannot load " + reader.path(), mesh->world);
   reader.load(shards, mesh->world);
+  std::vector<LoadedState> loaded;
   for (auto& p : pending) {
     const auto step = p.step.defined() ? std::optional<int64_t>(std::llround(p.step.item<double>()))
                                        : std::nullopt;
-    set_state(*optimizer, p.parameter, p.tensors, step);
+    loaded.push_back({p.parameter, std::move(p.tensors), step});
+  }
+  if (optimizer) {
+    set_states(*optimizer, loaded);
   }
   std::map<std::string, std::string> extra;
   for (const auto& [key, value] : reader.metadata()) {

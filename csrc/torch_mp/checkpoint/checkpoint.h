@@ -10,7 +10,8 @@
 // counterpart names them (ParallelTransformerLayer's "self_attn.qkv.weight" is
 // "self_attn.in_proj_weight"), a stage's names mapped by its Rename. Optimizer state (Adam and
 // AdamW moments and step, SGD momentum) is saved under "optim/<name>/<state>", in the names the
-// Python optimizers use, and resharded with its parameter.
+// Python optimizers use, and resharded with its parameter; a DistributedOptimizer's as a plain
+// optimizer's (optimizer_state.h), so it loads at any data-parallel size, sharded or not.
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -49,7 +50,8 @@ struct DenseTensor {
 /// through their dense_names(), then `rename`); a tensor reached under several names once.
 std::vector<DenseTensor> dense_tensors(const torch::nn::Module& module, const Rename& rename = {});
 
-/// Saves `stages` (this rank's modules), `optimizer`'s state (Adam, AdamW or SGD; may be null)
+/// Saves `stages` (this rank's modules), `optimizer`'s state (Adam, AdamW, SGD, or a
+/// DistributedOptimizer over one of them; may be null)
 /// and `extra` to the checkpoint directory `path`. Collective over every rank of `mesh` (the
 /// default mesh when null). Crash-safe as shards.h's save.
 void save(const std::string& path,

@@ -1,0 +1,117 @@
+#pragma once
+// torch_mp::DistributedOptimizer: a LibTorch optimizer whose state is sharded over the
+// data-parallel group (ZeRO-1, as Megatron's distributed optimizer), the C++ face of
+// torch_mp.DistributedOptimizer.
+//
+//   torch_mp::DataParallel model(net);                       // gradients averaged over dp
+//   torch_mp::DistributedOptimizer optimizer(model->parameters(),
+//                                            torch::optim::AdamWOptions(1e-3));
+//   loss.backward();
+//   optimizer.step();    // this rank steps its 1/dp of the elements, then all are all-gathered
+//
+// It is a torch::optim::Optimizer over the whole parameters (param_groups, zero_grad and the
+// learning-rate schedulers work on it as on any); the optimizer that steps, and holds the state
+// (1/dp of a plain one's), is local_optimizer(), over this rank's shards (ParameterShards). The
+// update is elementwise, so only optimizers whose update of an element reads that element alone
+// are offered: Adam, AdamW, SGD, Adagrad, RMSprop (not LBFGS).
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "torch_mp/optim/parameter_shards.h"
+
+namespace torch_mp::optim {
+
+/// Options of DistributedOptimizer.
+struct DistributedOptimizerOptions {
+  /// The data-parallel group; the default mesh's dp_group when null.
+  TORCH_ARG(GroupPtr, group) = {};
+  /// Size of a flat bucket of the all-gather, in MiB.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Step fp32 (or other) master copies of the parameters' shards, written back rounded.
+  TORCH_ARG(std::optional<at::ScalarType>, master_dtype) = std::nullopt;
+};
+
+/// The LibTorch optimizer of an options type (AdamWOptions -> AdamW, ...).
+template <typename Options>
+struct LocalOptimizer;  // only elementwise optimizers are defined below
+template <>
+struct LocalOptimizer<torch::optim::AdamOptions> {
+  using type = torch::optim::Adam;
+};
+template <>
+struct LocalOptimizer<torch::optim::AdamWOptions> {
+  using type = torch::optim::AdamW;
+};
+template <>
+struct LocalOptimizer<torch::optim::SGDOptions> {
+  using type = torch::optim::SGD;
+};
+template <>
+struct LocalOptimizer<torch::optim::AdagradOptions> {
+  using type = torch::optim::Adagrad;
+};
+template <>
+struct LocalOptimizer<torch::optim::RMSpropOptions> {
+  using type = torch::optim::RMSprop;
+};
+
+/// An optimizer whose state is sharded over the data-parallel ranks (see the top of the file).
+class DistributedOptimizer : public torch::optim::Optimizer {
+ public:
+  /// Over parameter groups (each may carry its own options, as for any LibTorch optimizer);
+  /// `defaults`' type picks the local optimizer (AdamWOptions: AdamW). Collective over the
+  /// group: raises on every rank if the ranks' parameters differ.
+  template <typename Options>
+  DistributedOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                       const Options& defaults,
+                       DistributedOptimizerOptions options = {})
+      : torch::optim::Optimizer(param_groups, std::make_unique<Options>(defaults)) {
+    build(options, [&defaults](const std::vector<torch::optim::OptimizerParamGroup>& local) {
+      return std::make_unique<typename LocalOptimizer<Options>::type>(local, defaults);
+    });
+  }
+  /// Over one group of parameters.
+  template <typename Options>
+  DistributedOptimizer(std::vector<at::Tensor> parameters,
+                       const Options& defaults,
+                       DistributedOptimizerOptions options = {})
+      : DistributedOptimizer(
+            std::vector<torch::optim::OptimizerParamGroup>{
+                torch::optim::OptimizerParamGroup(std::move(parameters))},
+            defaults,
+            std::move(options)) {}
+
+  /// Copies every group's options (its learning rate, as a scheduler set it) to the local
+  /// optimizer, steps this rank's shards with the averaged gradients, and all-gathers the
+  /// updated parameters. Collective over the group.
+  at::Tensor step(LossClosure closure = nullptr) override;
+
+  /// The optimizer over this rank's shards, which holds its state.
+  torch::optim::Optimizer& local_optimizer() { return *local_; }
+  /// How the parameters are cut over the group.
+  const ParameterShards& shards() const { return *shards_; }
+
+ private:
+  using MakeLocal = std::function<std::unique_ptr<torch::optim::Optimizer>(
+      const std::vector<torch::optim::OptimizerParamGroup>&)>;
+  void build(const DistributedOptimizerOptions& options, const MakeLocal& make_local);
+
+  std::unique_ptr<ParameterShards> shards_;
+  std::unique_ptr<torch::optim::Optimizer> local_;
+};
+
+}  // namespace torch_mp::optim
+
+namespace torch_mp {
+using optim::DistributedOptimizer;
+using optim::DistributedOptimizerOptions;
+}  // namespace torch_mp

@@ -1,0 +1,255 @@
+"""torch_mp.DistributedOptimizer (ZeRO-1): each step equals plain AdamW's on the same layout
+bit for bit, and the one-process model's; its state is 1/dp of a plain optimizer's; its state
+dict is a plain optimizer's; checkpoints saved at one data-parallel size load at another; fp32
+masters of bf16 parameters equal the recipe written out by hand."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from reference import assert_close, error_of, rank_tensor, use_mesh
+from torch import nn
+
+import torch_mp
+from torch_mp import checkpoint
+
+WIDTH = 12
+HIDDEN = 20
+LR = 1e-2
+MAX_NORM = 0.05  # small enough that every step clips
+
+
+def _dense(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH), nn.LayerNorm(WIDTH)
+    )
+
+
+def _sharded(dense: nn.Sequential) -> nn.Sequential:
+    """The tensor-parallel model of ``dense`` (this rank's shards of its current values)."""
+    return nn.Sequential(
+        torch_mp.ColumnParallelLinear.from_dense(dense[0]),
+        nn.GELU(),
+        torch_mp.RowParallelLinear.from_dense(dense[2]),
+        copy.deepcopy(dense[3]),
+    )
+
+
+def _adamw(params, **kwargs):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, **kwargs)
+
+
+def _zero(model: nn.Module, mesh, **kwargs) -> torch_mp.DistributedOptimizer:
+    return torch_mp.DistributedOptimizer(
+        model.parameters(), torch.optim.AdamW, mesh=mesh, lr=LR, weight_decay=0.1, **kwargs
+    )
+
+
+def _batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return rank_tensor(step, 0, 4 * dp, WIDTH), rank_tensor(step + 10, 0, 4 * dp, WIDTH)
+
+
+def _dense_step(model, optimizer, step: int, dp: int) -> None:
+    x, y = _batch(step, dp)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    optimizer.step()
+
+
+def _parallel_step(wrapped, optimizer, step: int, mesh) -> None:
+    x, y = _batch(step, mesh.dp_size)
+    optimizer.zero_grad()
+    mine = slice(4 * mesh.dp_rank, 4 * (mesh.dp_rank + 1))
+    nn.functional.mse_loss(wrapped(x[mine]), y[mine]).backward()
+    torch_mp.clip_grad_norm_(wrapped.parameters(), MAX_NORM, mesh=mesh)
+    optimizer.step()
+
+
+def _state_elements(optimizer) -> int:
+    return sum(
+        v.numel()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+
+
+def _steps_match_adamw(tp: int, bucket_cap_mb: float) -> None:
+    mesh = use_mesh(tp)
+    dense = _dense()
+    reference = copy.deepcopy(dense)
+    plain, sharded = _sharded(dense), _sharded(dense)
+    wrapped = [torch_mp.DataParallel(m, mesh=mesh) for m in (plain, sharded)]
+    optimizers = [
+        _adamw(reference.parameters()),
+        _adamw(plain.parameters()),
+        _zero(sharded, mesh, bucket_cap_mb=bucket_cap_mb),
+    ]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in optimizers]
+    for step in range(3):
+        _dense_step(reference, optimizers[0], step, mesh.dp_size)
+        for model, optimizer in zip(wrapped, optimizers[1:], strict=True):
+            _parallel_step(model, optimizer, step, mesh)
+        for scheduler in schedulers:
+            scheduler.step()
+        expected = _sharded(reference).parameters()
+        for (name, p), q, ref in zip(
+            sharded.named_parameters(), plain.parameters(), expected, strict=True
+        ):
+            assert torch.equal(p, q), f"step {step} {name}: not plain AdamW's on this layout"
+            assert_close(p, ref, f"step {step} {name} against one process")
+    assert optimizers[2].param_groups[0]["lr"] == optimizers[1].param_groups[0]["lr"]
+    # This rank's state: its 1/dp of the elements, plus at most the padding of every bucket.
+    mine, whole = _state_elements(optimizers[2]), _state_elements(optimizers[1])
+    total = torch.tensor(mine)
+    dist.all_reduce(total, group=mesh.dp_group)
+    assert total.item() == whole, (total.item(), whole)
+    buckets = optimizers[2]._shards.num_buckets
+    assert mine <= whole / mesh.dp_size + 2 * mesh.dp_size * buckets, (mine, whole)
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 4e-4])  # one bucket; a bucket per ~100 elements
+def test_steps_equal_adamw_at_every_data_parallel_size(bucket_cap_mb, world):
+    world.run(_steps_match_adamw, 1, bucket_cap_mb)
+
+
+def test_steps_equal_adamw_with_tensor_parallelism(world4):
+    world4.run(_steps_match_adamw, 2, 4e-4)  # tp 2 x dp 2
+
+
+def _state_dict_is_a_plain_optimizers() -> None:
+    mesh = use_mesh(1)
+    plain, sharded = _sharded(_dense()), _sharded(_dense())
+    wrapped = [torch_mp.DataParallel(m, mesh=mesh) for m in (plain, sharded)]
+    optimizers = [_adamw(plain.parameters()), _zero(sharded, mesh, bucket_cap_mb=4e-4)]
+    for step in range(2):
+        for model, optimizer in zip(wrapped, optimizers, strict=True):
+            _parallel_step(model, optimizer, step, mesh)
+    saved = [o.state_dict() for o in optimizers]
+    assert saved[0]["param_groups"] == saved[1]["param_groups"]
+    assert saved[0]["state"].keys() == saved[1]["state"].keys()
+    for index, state in saved[0]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, saved[1]["state"][index][key]), (index, key)
+    # The plain optimizer's state dict into a fresh DistributedOptimizer, and the other way.
+    restored = _zero(sharded, mesh)
+    restored.load_state_dict(saved[0])
+    plain_again = _adamw(plain.parameters())
+    plain_again.load_state_dict(restored.state_dict())
+    for model, optimizer in zip(wrapped, [plain_again, restored], strict=True):
+        _parallel_step(model, optimizer, 2, mesh)
+    for p, q in zip(sharded.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_is_a_plain_optimizers(world):
+    world.run(_state_dict_is_a_plain_optimizers)
+
+
+class _OneBatch:
+    """A mesh as _parallel_step sees it, every data rank given the whole one-process batch: the
+    averaged gradients are then exactly the one process's (g + g = 2g, halved)."""
+
+    def __init__(self, mesh) -> None:
+        self._mesh = mesh
+        self.dp_size, self.dp_rank = 1, 0
+
+    def __getattr__(self, name):
+        return getattr(self._mesh, name)
+
+
+def _train_and_save(path: str) -> None:
+    mesh = use_mesh(1)
+    model = _dense()
+    wrapped = torch_mp.DataParallel(model, mesh=mesh)
+    optimizer = _zero(model, mesh, bucket_cap_mb=4e-4)
+    for step in range(2):
+        _parallel_step(wrapped, optimizer, step, _OneBatch(mesh))
+    checkpoint.save(path, model, optimizer, mesh=mesh)
+
+
+def _load_and_step(path: str, sharded: bool) -> None:
+    """Loads at this world's data-parallel size and takes the third step, which must equal the
+    uninterrupted one-process run's bit for bit."""
+    mesh = use_mesh(1)
+    reference = _dense()
+    reference_optimizer = _adamw(reference.parameters())
+    for step in range(3):
+        _parallel_step(reference, reference_optimizer, step, _OneBatch(mesh))
+    model = _dense(seed=1)  # other values: the load must replace them
+    wrapped = torch_mp.DataParallel(model, mesh=mesh)
+    optimizer = _zero(model, mesh) if sharded else _adamw(model.parameters())
+    checkpoint.load(path, model, optimizer, mesh=mesh)
+    _parallel_step(wrapped, optimizer, 2, _OneBatch(mesh))
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, ref), f"{name} after the step that follows the load"
+
+
+@pytest.mark.parametrize(
+    "world_size,sharded", [(4, True), (1, True), (1, False)], ids=["dp4", "dp1", "dp1-AdamW"]
+)
+def test_checkpoint_saved_at_dp2_loads_at_another_dp(world_size, sharded, world2, tmp_path):
+    from conftest import get_world
+
+    path = str(tmp_path / "ckpt")
+    world2.run(_train_and_save, path)
+    get_world(world_size).run(_load_and_step, path, sharded)
+
+
+def _bf16_masters_match_hand_written() -> None:
+    mesh = use_mesh(1)
+    model = _dense().to(torch.bfloat16)
+    by_hand = copy.deepcopy(model)
+    optimizer = torch_mp.DistributedOptimizer(
+        model.parameters(), torch.optim.AdamW, mesh=mesh, master_dtype=torch.float32, lr=LR
+    )
+    masters = [p.detach().float() for p in by_hand.parameters()]
+    hand_optimizer = torch.optim.AdamW(masters, lr=LR)
+    for step in range(3):
+        x, y = (t.to(torch.bfloat16) for t in _batch(step, 1))  # the same on every rank
+        for m in (model, by_hand):
+            m.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+        optimizer.step()
+        for master, p in zip(masters, by_hand.parameters(), strict=True):
+            master.grad = p.grad.float()
+        hand_optimizer.step()
+        with torch.no_grad():
+            for master, p in zip(masters, by_hand.parameters(), strict=True):
+                p.copy_(master)  # rounded to bf16
+        for (name, p), q in zip(model.named_parameters(), by_hand.parameters(), strict=True):
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(p, q), f"step {step} {name}"
+    state = next(iter(optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.float32
+
+
+def test_fp32_masters_of_bf16_parameters_equal_the_recipe_by_hand(world):
+    world.run(_bf16_masters_match_hand_written)
+
+
+def _mismatched_parameters() -> str | None:
+    mesh = use_mesh(1)
+    layer = nn.Linear(WIDTH + dist.get_rank(), WIDTH)  # rank 1's has another shape
+    return error_of(torch_mp.DistributedOptimizer, layer.parameters(), torch.optim.AdamW, mesh=mesh)
+
+
+def test_parameters_that_differ_across_data_ranks_raise_on_every_rank(world2):
+    for message in world2.run(_mismatched_parameters):
+        assert message is not None and "DistributedOptimizer" in message
+
+
+def _non_contiguous_parameter() -> str | None:
+    mesh = use_mesh(1)
+    weight = nn.Parameter(torch.randn(WIDTH, HIDDEN).t())
+    return error_of(torch_mp.DistributedOptimizer, [weight], torch.optim.AdamW, mesh=mesh)
+
+
+def test_a_non_contiguous_parameter_is_refused(world2):
+    for message in world2.run(_non_contiguous_parameter):
+        assert message is not None and "not contiguous" in message

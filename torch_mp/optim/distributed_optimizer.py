@@ -1,0 +1,255 @@
+"""``torch_mp.DistributedOptimizer``: optimizer state sharded over the data-parallel ranks
+(ZeRO-1, as Megatron's distributed optimizer), on the C++ core's ``ParameterShards``
+(``csrc/torch_mp/optim/parameter_shards.h``); LibTorch applications get the same as
+``torch_mp::DistributedOptimizer``.
+
+The parameters are laid end to end in flat buckets, each cut into ``dp`` equal contiguous
+ranges; data rank r owns range r and keeps the optimizer state of those elements only. A step
+runs the wrapped optimizer on this rank's shards (1-D views of the parameters' elements, or
+fp32 masters) with the gradients ``DataParallel`` averaged, then all-gathers the updated
+buckets. For the user it is a ``torch.optim.Optimizer`` over the whole parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_mp import _C
+from torch_mp.mesh import Mesh, get_mesh
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """An optimizer whose state is sharded over the data-parallel group (ZeRO-1).
+
+    Each data rank keeps the state of its 1/dp of the parameters' elements (``.state`` holds
+    this rank's only, keyed by its shards), steps them with the averaged gradients, and
+    all-gathers the updated parameters, so that after :meth:`step` every rank holds the same
+    model as with ``optimizer_class`` over all parameters. Everything else is a
+    ``torch.optim.Optimizer``'s: ``param_groups`` (which learning-rate schedulers set),
+    ``zero_grad``, ``state_dict`` / ``load_state_dict`` (in the plain optimizer's format, so
+    either loads the other's, at any data-parallel size), and ``torch_mp.checkpoint``.
+
+    The update must be elementwise (an element's update reads that element's gradient and
+    state alone): Adam, AdamW, SGD, Adagrad, RMSprop, Lion and the like, not LBFGS or
+    optimizers that take norms of whole tensors.
+
+    Args:
+        params: Parameters or parameter groups, as for any optimizer: the whole model's on
+            this rank (its stage and tensor shard), the same on every data rank.
+        optimizer_class: The optimizer that steps the shards, e.g. ``torch.optim.AdamW``.
+        mesh: Takes ``mesh.dp_group``; pass ``group`` or ``mesh``, not both.
+        group: The data-parallel group; ``mesh.dp_group`` (the default mesh's) when None.
+        master_dtype: Keep the shards as copies in this dtype (``torch.float32`` master weights
+            of bf16 or fp16 parameters), starting from the parameters' values; gradients are
+            converted to it, the stepped values written back rounded. None: step the
+            parameters' own elements.
+        bucket_cap_mb: Size of a flat bucket of the all-gather, in MiB.
+        **defaults: The optimizer's arguments (``lr=``, ``weight_decay=``, ...).
+
+    Raises:
+        RuntimeError: On every rank, if the data ranks' parameters differ in number, shape or
+            dtype, or a parameter is not contiguous.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        mesh: Mesh | None = None,
+        group: dist.ProcessGroup | None = None,
+        master_dtype: torch.dtype | None = None,
+        bucket_cap_mb: float = 25.0,
+        **defaults: Any,
+    ) -> None:
+        if mesh is not None and group is not None:
+            raise ValueError("DistributedOptimizer: pass group= or mesh=, not both")
+        if group is None:
+            group = (mesh or get_mesh()).dp_group
+        groups = list(params)
+        if not groups:
+            raise ValueError("DistributedOptimizer: got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        groups = [dict(g, params=_as_list(g["params"])) for g in groups]
+        parameters = [p for g in groups for p in g["params"]]
+        self.group = group
+        self._shards = _C.optim.ParameterShards(
+            parameters, group.group_name, bucket_cap_mb, master_dtype
+        )
+        group_of = [i for i, g in enumerate(groups) for _ in g["params"]]
+        local_groups = [dict(g, params=[]) for g in groups]
+        for shard, (index, _, _) in zip(self._shards.shards, self._shards.pieces, strict=True):
+            local_groups[group_of[index]]["params"].append(shard)
+        #: The ``optimizer_class`` instance over this rank's shards, which holds the state.
+        self.local_optimizer = optimizer_class(local_groups, **defaults)
+        super().__init__(groups, self.local_optimizer.defaults)
+        self.state = self.local_optimizer.state  # this rank's shards' state only
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Steps this rank's shards with the parameters' (averaged) gradients, after copying
+        every group's hyperparameters (a scheduler's learning rate) to the local optimizer, and
+        all-gathers the updated parameters. Collective over the data-parallel group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
+            local.update((k, v) for k, v in outer.items() if k != "params")
+        self._shards.take_gradients()
+        try:
+            self.local_optimizer.step()
+        finally:
+            self._shards.release_gradients()
+        self._shards.gather_parameters()
+        return loss
+
+    # ---- the state as a plain optimizer holds it ----------------------------------------
+
+    def gathered_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """The state ``optimizer_class`` over the whole parameters would hold: for each
+        parameter with state, its state tensors shaped as the parameter (gathered from the data
+        ranks) and its other values (a step count). Collective over the data-parallel group;
+        every rank gets all of it (transiently, the whole optimizer state)."""
+        parameters = self._parameters()
+        mine: dict[int, dict[str, Any]] = {}  # index -> key -> _SHAPED, or the value itself
+        for shard, (index, _, _) in zip(self._shards.shards, self._shards.pieces, strict=True):
+            for key, value in self.local_optimizer.state.get(shard, {}).items():
+                shaped = _shaped_like(value, shard)
+                mine.setdefault(index, {})[key] = _SHAPED if shaped else _to_cpu(value)
+        every: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        described: dict[int, dict[str, Any]] = {}
+        for rank_state in every:
+            for index, state in rank_state.items():
+                for key, value in state.items():
+                    described.setdefault(index, {}).setdefault(key, value)
+        shaped = sorted({k for s in described.values() for k, v in s.items() if _is_shaped(v)})
+        whole = {}  # key -> the whole tensor of every parameter
+        for key in shaped:
+            state = self.local_optimizer.state
+            per_shard = [state.get(shard, {}).get(key) for shard in self._shards.shards]
+            whole[key] = self._shards.gather(per_shard)
+        out: dict[torch.Tensor, dict[str, Any]] = {}
+        for index in sorted(described):
+            p = parameters[index]
+            state = {}
+            for key, value in described[index].items():
+                if _is_shaped(value):
+                    state[key] = whole[key][index]
+                elif isinstance(value, torch.Tensor):
+                    state[key] = value.to(p.device) if _on_device(self, p) else value
+                else:
+                    state[key] = value
+            out[p] = state
+        return out
+
+    def load_gathered_state(self, state: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Replaces this rank's state with its shards' part of ``state`` (as
+        :meth:`gathered_state` returns it: by parameter, state tensors shaped as their
+        parameter). Not collective."""
+        parameters = self._parameters()
+        known = {id(p) for p in parameters}
+        for p in state:
+            if id(p) not in known:
+                raise ValueError(
+                    f"DistributedOptimizer.load_gathered_state: a parameter of shape "
+                    f"{tuple(p.shape)} is not one this optimizer holds"
+                )
+        self.local_optimizer.state.clear()
+        per_parameter = [state.get(p, {}) for p in parameters]
+        keys = sorted({k for s in per_parameter for k in s})
+        sliced = {}
+        for key in keys:
+            values = [
+                s[key] if _shaped_like(s.get(key), p) else None
+                for s, p in zip(per_parameter, parameters, strict=True)
+            ]
+            sliced[key] = self._shards.slice(values)
+        pieces = self._shards.pieces
+        for s, (shard, (index, _, _)) in enumerate(zip(self._shards.shards, pieces, strict=True)):
+            for key, value in per_parameter[index].items():
+                piece = sliced[key][s]
+                if piece is not None:
+                    dtype = shard.dtype if piece.is_floating_point() else piece.dtype
+                    value = piece.to(device=shard.device, dtype=dtype)
+                elif isinstance(value, torch.Tensor):
+                    value = value.clone()
+                self.local_optimizer.state[shard][key] = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict ``optimizer_class`` over the whole parameters would return (state
+        indexed by parameter, in ``param_groups`` order): plain optimizers and
+        DistributedOptimizers of any data-parallel size load it. Collective over the group."""
+        gathered = self.gathered_state()
+        state, groups, index = {}, [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))
+            for i, p in enumerate(group["params"], start=index):
+                if p in gathered:
+                    state[i] = gathered[p]
+            index += len(group["params"])
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict of this optimizer, of a plain ``optimizer_class`` or of a
+        DistributedOptimizer of any data-parallel size, over the same parameters and groups."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"])
+            for s, g in zip(saved_groups, self.param_groups, strict=True)
+        ):
+            raise ValueError(
+                "DistributedOptimizer.load_state_dict: the state dict's parameter groups "
+                f"(sizes {[len(s['params']) for s in saved_groups]}) do not match this "
+                f"optimizer's ({[len(g['params']) for g in self.param_groups]})"
+            )
+        by_id = {}
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            by_id.update(zip(saved["params"], group["params"], strict=True))
+            group.update((k, v) for k, v in saved.items() if k != "params")
+        self.load_gathered_state(
+            {by_id[i]: dict(s) for i, s in state_dict["state"].items() if i in by_id}
+        )
+
+    def _parameters(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+
+# Stands, in the exchange between ranks, for a state tensor shaped as its shard.
+_SHAPED = "<state tensor shaped as its shard>"
+
+
+def _is_shaped(value: Any) -> bool:
+    return isinstance(value, str) and value == _SHAPED
+
+
+def _shaped_like(value: Any, like: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == like.numel()
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _on_device(optimizer: DistributedOptimizer, p: torch.Tensor) -> bool:
+    """Whether the optimizer keeps ``p``'s step count on its device (fused or capturable)."""
+    for group in optimizer.param_groups:
+        if any(q is p for q in group["params"]):
+            return bool(group.get("fused") or group.get("capturable"))
+    return False
+
+
+def _as_list(params: Any) -> list[torch.Tensor]:
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError("DistributedOptimizer: parameters must be an ordered collection, not a set")
+    return list(params)
