@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_mp import _C
 from torch_mp.mesh import Mesh, get_mesh
@@ -43,6 +44,16 @@ class DataParallel(nn.Module):
             first forward of each synced step.
         comm_hook: ``None``, ``"fp16"`` or ``"bf16"``: all-reduce the buckets in 16 bits (half the
             bytes; the sum is then rounded to that precision).
+        shard_gradients: Reduce-scatter the gradients instead, in the flat buckets of a
+            :class:`torch_mp.DistributedOptimizer` over ``module.parameters()``, so that each
+            rank keeps the averaged gradients of its own range only (ZeRO-2). The parameters'
+            ``.grad`` are then None after a synced backward: only that optimizer (and
+            :func:`torch_mp.clip_grad_norm_`) reads the gradients, and a plain optimizer
+            stepping these parameters raises.
+        grad_dtype: Add every backward's gradients into main gradients of this dtype
+            (``torch.float32`` for bf16 or fp16 parameters: micro-batches and the reduction
+            accumulate in fp32, not in 16 bits), and reduce-scatter them as
+            ``shard_gradients`` does (which it implies).
 
     Raises:
         RuntimeError: On every rank, if the ranks' parameters differ in number, shape or dtype.
@@ -58,6 +69,8 @@ class DataParallel(nn.Module):
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool = True,
         comm_hook: str | None = None,
+        shard_gradients: bool = False,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if mesh is not None and group is not None:
@@ -67,6 +80,23 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.require_backward_grad_sync = True
+        self.shard_gradients = shard_gradients or grad_dtype is not None
+        if self.shard_gradients:
+            if comm_hook is not None or gradient_as_bucket_view:
+                raise ValueError(
+                    "DataParallel: shard_gradients (or grad_dtype) takes no comm_hook and no "
+                    "gradient_as_bucket_view"
+                )
+            _refuse_plain_optimizers()
+            self._sync = _C.data_parallel.ShardedGradientSync(
+                list(module.parameters()),
+                list(module.buffers()),
+                group.group_name,
+                bucket_cap_mb,
+                grad_dtype,
+                broadcast_buffers,
+            )
+            return
         # The engine (and the buffer bookkeeping) is the C++ core's GradientSync, which also
         # copies rank 0's parameters and buffers to every rank here.
         self._sync = _C.data_parallel.GradientSync(
@@ -112,6 +142,35 @@ class DataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+
+_plain_optimizer_hook = None
+
+
+def _refuse_plain_optimizers() -> None:
+    """Makes every torch.optim optimizer but a DistributedOptimizer raise when it steps a
+    parameter whose gradient a sharding DataParallel holds: it would find no gradient there and
+    silently leave the parameter as it is."""
+    global _plain_optimizer_hook
+    if _plain_optimizer_hook is not None:
+        return
+
+    def check(optimizer, args, kwargs) -> None:
+        from torch_mp.optim import DistributedOptimizer
+
+        if isinstance(optimizer, DistributedOptimizer):
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if _C.data_parallel.ShardedGradientSync.manages(p):
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} steps a parameter (shape "
+                        f"{tuple(p.shape)}) whose gradients a DataParallel(shard_gradients="
+                        "True) reduce-scatters: only torch_mp.DistributedOptimizer over "
+                        "module.parameters() can step it"
+                    )
+
+    _plain_optimizer_hook = register_optimizer_step_pre_hook(check)
 
 
 def stage_hooks(module: nn.Module) -> tuple[Callable, Callable[[], None] | None]:

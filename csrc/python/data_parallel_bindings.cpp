@@ -8,6 +8,7 @@
 #include "python/common.h"
 #include "torch_mp/clip_grad.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_gradient_sync.h"
 #include "torch_mp/layout.h"
 
 namespace py = pybind11;
@@ -52,6 +53,35 @@ void bind_data_parallel(py::module_& parent) {
            ReleaseGil())
       .def("prepare_for_forward", &GradientSync::prepare_for_forward, ReleaseGil())
       .def("prepare_for_backward", &GradientSync::prepare_for_backward, ReleaseGil());
+  py::class_<ShardedGradientSync, std::shared_ptr<ShardedGradientSync>>(
+      m, "ShardedGradientSync", "Bucketed gradient reduce-scatter (ZeRO-2), fp32 main gradients.")
+      .def(py::init([](std::vector<at::Tensor> parameters,
+                       std::vector<at::Tensor> buffers,
+                       const std::string& group,
+                       double bucket_cap_mb,
+                       std::optional<at::ScalarType> grad_dtype,
+                       bool broadcast_buffers) {
+             return ShardedGradientSync::create(std::move(parameters),
+                                                std::move(buffers),
+                                                resolve(group),
+                                                ShardedGradientSyncOptions()
+                                                    .bucket_cap_mb(bucket_cap_mb)
+                                                    .grad_dtype(grad_dtype)
+                                                    .broadcast_buffers(broadcast_buffers));
+           }),
+           py::arg("parameters"),
+           py::arg("buffers"),
+           py::arg("group"),
+           py::arg("bucket_cap_mb"),
+           py::arg("grad_dtype"),
+           py::arg("broadcast_buffers"),
+           ReleaseGil())
+      .def("prepare_for_forward", &ShardedGradientSync::prepare_for_forward, ReleaseGil())
+      .def("prepare_for_backward", &ShardedGradientSync::prepare_for_backward, ReleaseGil())
+      .def_static(
+          "manages",
+          [](const at::Tensor& p) { return ShardedGradientSync::of(p) != nullptr; },
+          py::arg("parameter"));
 
   // ---- parameter layouts ----
   py::class_<ParameterLayout>(parent, "ParameterLayout", "How a parameter lies on the mesh.")

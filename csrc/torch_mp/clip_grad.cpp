@@ -3,9 +3,13 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
+#include <unordered_set>
+#include <utility>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/data_parallel/sharded_gradient_sync.h"
 #include "torch_mp/layout.h"
 
 namespace torch_mp {
@@ -36,6 +40,52 @@ at::Tensor reduce_over(at::Tensor value, const GroupPtr& group, c10d::ReduceOp o
   return group && group->getSize() > 1 ? comm::all_reduce(value, group, op) : value;
 }
 
+// The gradients of `parameters` that a DataParallel(shard_gradients=True) holds (their .grad is
+// empty): this rank's pieces of them, by engine, with whether each counts here.
+struct ShardedGradients {
+  GroupPtr group;  // the data-parallel group the pieces are spread over
+  std::vector<at::Tensor> pieces;
+  std::vector<bool> counted;
+};
+
+std::vector<ShardedGradients> sharded_gradients(const std::vector<at::Tensor>& parameters,
+                                                const GroupPtr& tp_group) {
+  std::vector<std::pair<std::shared_ptr<data_parallel::ShardedGradientSync>,
+                        std::unordered_set<const c10::TensorImpl*>>>
+      engines;
+  for (const auto& p : parameters) {
+    if (p.grad().defined()) {
+      continue;
+    }
+    auto engine = data_parallel::ShardedGradientSync::of(p);
+    if (!engine) {
+      continue;
+    }
+    auto found = std::find_if(
+        engines.begin(), engines.end(), [&](const auto& e) { return e.first == engine; });
+    if (found == engines.end()) {
+      engines.emplace_back(engine, std::unordered_set<const c10::TensorImpl*>{});
+      found = engines.end() - 1;
+    }
+    found->second.insert(p.unsafeGetTensorImpl());
+  }
+  std::vector<ShardedGradients> out;
+  for (const auto& [engine, wanted] : engines) {
+    ShardedGradients gradients{engine->group(), {}, {}};
+    const auto& pieces = engine->layout().pieces;
+    for (size_t s = 0; s < pieces.size(); ++s) {
+      const at::Tensor& p = engine->parameters()[pieces[s].parameter];
+      at::Tensor g = engine->piece_gradient(s);
+      if (g.defined() && wanted.count(p.unsafeGetTensorImpl())) {
+        gradients.pieces.push_back(g);
+        gradients.counted.push_back(counted_here(p, tp_group));
+      }
+    }
+    out.push_back(std::move(gradients));
+  }
+  return out;
+}
+
 }  // namespace
 
 at::Tensor total_grad_norm(const std::vector<at::Tensor>& parameters,
@@ -57,6 +107,18 @@ at::Tensor total_grad_norm(const std::vector<at::Tensor>& parameters,
     local = max_norm ? at::maximum(local, norm) : local + norm.pow(norm_type);
   }
   const auto op = max_norm ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+  // Gradients reduce-scattered over a data group: each element on one rank of it.
+  for (const auto& sharded : sharded_gradients(parameters, tp_group)) {
+    at::Tensor part = at::zeros({}, at::kFloat);
+    for (size_t i = 0; i < sharded.pieces.size(); ++i) {
+      if (sharded.counted[i]) {
+        const auto norm = at::linalg_vector_norm(sharded.pieces[i], norm_type).to(at::kFloat).cpu();
+        part = max_norm ? at::maximum(part, norm) : part + norm.pow(norm_type);
+      }
+    }
+    part = reduce_over(part, sharded.group, op);
+    local = max_norm ? at::maximum(local, part) : local + part;
+  }
   local = reduce_over(reduce_over(local, tp_group, op), pp_group, op);
   return max_norm ? local : local.pow(1.0 / norm_type);
 }
@@ -80,6 +142,12 @@ at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters,
     at::Tensor g = p.grad();
     if (g.defined()) {
       g.mul_(coef.to(g.device()));
+    }
+  }
+  for (const auto& sharded : sharded_gradients(parameters, tp_group)) {
+    for (const auto& g : sharded.pieces) {
+      at::Tensor piece = g;
+      piece.mul_(coef.to(g.device()));
     }
   }
   return total;

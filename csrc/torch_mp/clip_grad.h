@@ -3,7 +3,8 @@
 // the dense model: sharded parameters contribute every rank's part, replicated ones are counted
 // once (on rank 0 of their group), tied copies not at all, and the pipeline stages' parts are
 // combined. Data-parallel replicas hold equal gradients after their reduction and are not
-// combined. Layouts come from torch_mp/layout.h.
+// combined, except gradients that a DataParallel(shard_gradients=True) reduce-scattered: their
+// pieces are summed over its data group. Layouts come from torch_mp/layout.h.
 
 #include <ATen/core/Tensor.h>
 

@@ -122,6 +122,10 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& grou
   return outputs[0];
 }
 
+void wait(const c10::intrusive_ptr<c10d::Work>& work, const GroupPtr& group, const char* op) {
+  wait_for(work, group, op);
+}
+
 at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   check_group(group);
   dim = c10::maybe_wrap_dim(dim, x.dim());

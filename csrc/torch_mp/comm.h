@@ -33,6 +33,10 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group);
 /// order: an all-gather without the concatenation's copy. `input` must not alias `output`.
 void all_gather_into(const at::Tensor& output, const at::Tensor& input, const GroupPtr& group);
 
+/// Waits for an asynchronous collective `op` on `group`, turning a dead or silent peer into an
+/// error that says so.
+void wait(const c10::intrusive_ptr<c10d::Work>& work, const GroupPtr& group, const char* op);
+
 /// This rank's chunk along `dim` of the sum of `x` over the group.
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group);
 

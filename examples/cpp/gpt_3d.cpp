@@ -25,6 +25,8 @@
 // token table (gathered) to 1e-4 after every step (AdamW scales each element's update by its own
 // gradient's root mean square, so elements inherit their gradient's relative error).
 //
+// --zero shards AdamW's state over the data ranks (torch_mp::DistributedOptimizer, ZeRO-1).
+//
 // Checkpoints (torch_mp::checkpoint, the format Python's torch_mp.checkpoint reads and writes):
 // --save-every N saves the model and AdamW state to --checkpoint DIR every N steps, in the dense
 // model's names; --resume continues from DIR, whatever layout (or front end) saved it. --probe
@@ -57,6 +59,7 @@ struct Args {
   int64_t tp = 1, pp = 1, dp = -1;
   std::string schedule = "1f1b";
   bool sequence_parallel = false;
+  bool zero = false;
   bool check = false;
   bool resume = false;
   int steps = 70;
@@ -94,6 +97,8 @@ Args parse(int argc, char** argv) {
     const std::string flag = argv[i];
     if (flag == "--sequence-parallel") {
       a.sequence_parallel = true;
+    } else if (flag == "--zero") {
+      a.zero = true;
     } else if (flag == "--check") {
       a.check = true;
     } else if (flag == "--resume") {
@@ -243,7 +248,7 @@ double table_difference(const gpt::GptStage& mine, const gpt::DenseGpt& referenc
   return worst;
 }
 
-void set_learning_rate(torch::optim::AdamW& optimizer, double lr) {
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   }
@@ -296,7 +301,16 @@ int run(int argc, char** argv) {
   }
   pipe.tie_parameters(tied);
   const auto parameters = mine->parameters();
-  torch::optim::AdamW optimizer(parameters, torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
+  // --zero: AdamW's state sharded over the data ranks (torch_mp::DistributedOptimizer, ZeRO-1).
+  const auto adamw = torch::optim::AdamWOptions(a.lr).weight_decay(0.01);
+  std::unique_ptr<torch::optim::Optimizer> owned_optimizer;
+  if (a.zero) {
+    owned_optimizer = std::make_unique<torch_mp::DistributedOptimizer>(
+        parameters, adamw, torch_mp::DistributedOptimizerOptions().group(mesh->dp_group));
+  } else {
+    owned_optimizer = std::make_unique<torch::optim::AdamW>(parameters, adamw);
+  }
+  torch::optim::Optimizer& optimizer = *owned_optimizer;
   const gpt::LearningRate schedule{
       .lr = a.lr, .warmup = a.warmup, .decay_steps = a.decay_steps, .min_lr = a.min_lr};
   std::unique_ptr<torch::optim::AdamW> reference_optimizer;
@@ -307,7 +321,7 @@ int run(int argc, char** argv) {
   if (is_rank0) {
     std::printf(
         "gpt_3d: %lld layers of hidden size %lld, vocabulary %lld: tp=%lld x pp=%lld x "
-        "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel\n",
+        "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel%s\n",
         static_cast<long long>(a.layers),
         static_cast<long long>(a.hidden),
         static_cast<long long>(config.vocab),
@@ -315,7 +329,8 @@ int run(int argc, char** argv) {
         static_cast<long long>(mesh->pp_size()),
         static_cast<long long>(mesh->dp_size()),
         a.schedule.c_str(),
-        a.sequence_parallel ? "on" : "off");
+        a.sequence_parallel ? "on" : "off",
+        a.zero ? ", AdamW sharded over the data ranks" : "");
   }
   // Saved and loaded under DenseGpt's names.
   const std::vector<torch_mp::checkpoint::Stage> stages{{mine.ptr(), mine->dense_names()}};

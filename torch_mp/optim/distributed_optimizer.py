@@ -109,6 +109,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._shards.gather_parameters()
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeros the parameters' gradients, and drops the averaged gradients a
+        ``DataParallel(shard_gradients=True)`` holds for them."""
+        super().zero_grad(set_to_none)
+        self._shards.release_gradients()
+
     # ---- the state as a plain optimizer holds it ----------------------------------------
 
     def gathered_state(self) -> dict[torch.Tensor, dict[str, Any]]:

@@ -18,6 +18,7 @@
 #include <memory>
 
 #include "torch_mp/data_parallel/gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_gradient_sync.h"
 
 namespace torch_mp::data_parallel {
 
@@ -34,6 +35,13 @@ struct DataParallelOptions {
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// Gradient compression for the all-reduce (none, fp16, bf16).
   TORCH_ARG(CommHook, comm_hook) = CommHook::kNone;
+  /// Reduce-scatter the gradients so that each rank keeps its range's only (ZeRO-2), for a
+  /// DistributedOptimizer over the module's parameters (sharded_gradient_sync.h): the
+  /// parameters' .grad are then empty after a synced backward.
+  TORCH_ARG(bool, shard_gradients) = false;
+  /// Accumulate every backward's gradients into main gradients of this dtype (fp32 for 16-bit
+  /// parameters) and reduce in it; implies shard_gradients (the DistributedOptimizer reads them).
+  TORCH_ARG(std::optional<at::ScalarType>, grad_dtype) = std::nullopt;
 };
 
 /// Wraps a module so that its gradients are averaged over the data-parallel group.
@@ -95,7 +103,8 @@ class DataParallelImpl : public torch::nn::Module {
 
  private:
   torch::nn::AnyModule forward_;
-  std::unique_ptr<GradientSync> sync_;
+  std::unique_ptr<GradientSync> sync_;            // all-reduce, or
+  std::shared_ptr<ShardedGradientSync> sharded_;  // reduce-scatter
   bool require_backward_grad_sync_ = true;
 };
 

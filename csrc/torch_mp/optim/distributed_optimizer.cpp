@@ -31,6 +31,11 @@ void DistributedOptimizer::build(const DistributedOptimizerOptions& options,
   local_ = make_local(local_groups);
 }
 
+void DistributedOptimizer::zero_grad(bool set_to_none) {
+  torch::optim::Optimizer::zero_grad(set_to_none);
+  shards_->release_gradients();
+}
+
 at::Tensor DistributedOptimizer::step(LossClosure closure) {
   at::Tensor loss;
   if (closure) {

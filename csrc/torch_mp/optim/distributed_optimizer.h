@@ -95,6 +95,11 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// updated parameters. Collective over the group.
   at::Tensor step(LossClosure closure = nullptr) override;
 
+  /// Zeros the parameters' gradients, as any optimizer, and drops the reduced gradients a
+  /// DataParallel(shard_gradients=True) holds for them. (Through a torch::optim::Optimizer&,
+  /// the base's zero_grad runs; those are dropped after every step anyway.)
+  void zero_grad(bool set_to_none = true);
+
   /// The optimizer over this rank's shards, which holds its state.
   torch::optim::Optimizer& local_optimizer() { return *local_; }
   /// How the parameters are cut over the group.

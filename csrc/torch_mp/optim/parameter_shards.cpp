@@ -3,27 +3,57 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-
 #include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/data_parallel/sharded_gradient_sync.h"
 
 namespace torch_mp::optim {
+
+using data_parallel::flat_view;
+using data_parallel::ShardBucket;
+using data_parallel::ShardedGradientSync;
+
 namespace {
 
-// The flat elements of a parameter (or its gradient), as a view where it is contiguous.
-at::Tensor flat(const at::Tensor& t) { return t.detach().reshape({-1}); }
+// The engine that reduce-scatters the gradients of `parameters`, if a DataParallel shards them;
+// raises unless it holds exactly these parameters, in this order (its layout is then ours).
+std::shared_ptr<ShardedGradientSync> sharding_engine(const std::vector<at::Tensor>& parameters,
+                                                     const GroupPtr& group) {
+  std::shared_ptr<ShardedGradientSync> engine;
+  for (const auto& p : parameters) {
+    auto found = ShardedGradientSync::of(p);
+    TORCH_CHECK(!engine || found == engine,
+                "DistributedOptimizer: its parameters must all be those of one DataParallel "
+                "that shards gradients, or none");
+    engine = found;
+  }
+  if (!engine) {
+    return nullptr;
+  }
+  const auto& held = engine->parameters();
+  bool same = held.size() == parameters.size();
+  for (size_t i = 0; same && i < held.size(); ++i) {
+    same = held[i].is_same(parameters[i]);
+  }
+  TORCH_CHECK(same,
+              "DistributedOptimizer: a DataParallel that shards gradients holds ",
+              held.size(),
+              " parameters (those that require grad); give the optimizer exactly those, in the "
+              "module's order (module.parameters()), so that both cut them alike");
+  TORCH_CHECK(engine->group().get() == group.get(),
+              "DistributedOptimizer: its data-parallel group is not its DataParallel's");
+  return engine;
+}
 
 }  // namespace
 
 ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
                                  GroupPtr group,
                                  ParameterShardsOptions options)
-    : parameters_(std::move(parameters)), group_(std::move(group)) {
+    : parameters_(std::move(parameters)),
+      group_(std::move(group)),
+      master_dtype_(options.master_dtype()) {
   TORCH_CHECK(group_, "DistributedOptimizer: no data-parallel group");
-  TORCH_CHECK(options.bucket_cap_mb() > 0,
-              "DistributedOptimizer: bucket_cap_mb must be positive, got ",
-              options.bucket_cap_mb());
   for (size_t i = 0; i < parameters_.size(); ++i) {
     TORCH_CHECK(parameters_[i].defined() && parameters_[i].is_contiguous(),
                 "DistributedOptimizer: parameter ",
@@ -34,79 +64,43 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
   }
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DistributedOptimizer: the parameters of the data-parallel ranks");
-
-  const auto cap_bytes = static_cast<int64_t>(options.bucket_cap_mb() * (1 << 20));
-  const int64_t size = group_->getSize();
-  const int64_t rank = group_->getRank();
-  masters_ = false;
-  int64_t filled = 0;  // elements in the open bucket
-  auto close = [&] {
-    if (buckets_.empty() || buckets_.back().chunk >= 0) {
-      return;
-    }
-    Bucket& bucket = buckets_.back();
-    bucket.chunk = (filled + size - 1) / size;
-    const int64_t first = rank * bucket.chunk;
-    const int64_t last = first + bucket.chunk;
-    for (size_t j = 0; j < bucket.parameters.size(); ++j) {
-      const int64_t start = bucket.starts[j];
-      const int64_t end = start + parameters_[bucket.parameters[j]].numel();
-      const int64_t lo = std::max(start, first);
-      const int64_t hi = std::min(end, last);
-      if (lo < hi) {
-        bucket.pieces.push_back(pieces_.size());
-        bucket.piece_starts.push_back(lo - first);
-        pieces_.push_back({bucket.parameters[j], lo - start, hi - lo});
-      }
-    }
-    filled = 0;
-  };
-  for (size_t i = 0; i < parameters_.size(); ++i) {
-    const at::Tensor& p = parameters_[i];
-    const bool fits = !buckets_.empty() && buckets_.back().dtype == p.scalar_type() &&
-                      buckets_.back().device == p.device() &&
-                      (filled + p.numel()) * static_cast<int64_t>(p.element_size()) <= cap_bytes;
-    if (!fits) {
-      close();
-      const auto master = options.master_dtype();
-      buckets_.push_back({p.scalar_type(),
-                          master ? *master : p.scalar_type(),
-                          p.device(),
-                          {},
-                          {},
-                          /*chunk=*/-1,
-                          {},
-                          {}});
-    }
-    buckets_.back().parameters.push_back(i);
-    buckets_.back().starts.push_back(filled);
-    filled += p.numel();
-  }
-  close();
-
-  const auto master = options.master_dtype();
-  for (const ShardPiece& piece : pieces_) {
+  gradients_ = sharding_engine(parameters_, group_);
+  const double cap = gradients_ ? gradients_->bucket_cap_mb() : options.bucket_cap_mb();
+  TORCH_CHECK(cap > 0, "DistributedOptimizer: bucket_cap_mb must be positive, got ", cap);
+  layout_ = data_parallel::ShardLayout::of(parameters_, group_->getSize(), group_->getRank(), cap);
+  for (const ShardPiece& piece : layout_.pieces) {
     const at::Tensor& p = parameters_[piece.parameter];
-    at::Tensor view = flat(p).narrow(0, piece.offset, piece.numel);
-    if (master && *master != p.scalar_type()) {
+    at::Tensor view = flat_view(p).narrow(0, piece.offset, piece.numel);
+    if (master_dtype_ && *master_dtype_ != p.scalar_type()) {
       masters_ = true;
-      shards_.push_back(view.to(*master, /*non_blocking=*/false, /*copy=*/true));
+      shards_.push_back(view.to(*master_dtype_, /*non_blocking=*/false, /*copy=*/true));
     } else {
       shards_.push_back(view);
     }
   }
 }
 
+at::ScalarType ParameterShards::shard_dtype(const ShardBucket& bucket) const {
+  return master_dtype_ ? *master_dtype_ : bucket.dtype;
+}
+
 void ParameterShards::take_gradients() {
-  for (size_t s = 0; s < pieces_.size(); ++s) {
-    const at::Tensor& grad = parameters_[pieces_[s].parameter].grad();
+  const auto& pieces = layout_.pieces;
+  for (size_t s = 0; s < pieces.size(); ++s) {
     at::Tensor& target = shards_[s].mutable_grad();
+    at::Tensor grad;
+    if (gradients_) {
+      grad = gradients_->piece_gradient(s);
+    } else if (parameters_[pieces[s].parameter].grad().defined()) {
+      grad = flat_view(parameters_[pieces[s].parameter].grad())
+                 .narrow(0, pieces[s].offset, pieces[s].numel);
+    }
     if (!grad.defined()) {
       target.reset();
-      continue;
+    } else {
+      target =
+          grad.scalar_type() == shards_[s].scalar_type() ? grad : grad.to(shards_[s].scalar_type());
     }
-    at::Tensor piece = flat(grad).narrow(0, pieces_[s].offset, pieces_[s].numel);
-    target = masters_ ? piece.to(shards_[s].scalar_type()) : piece;
   }
 }
 
@@ -114,34 +108,40 @@ void ParameterShards::release_gradients() {
   for (auto& shard : shards_) {
     shard.mutable_grad().reset();
   }
+  if (gradients_) {
+    gradients_->release();
+  }
 }
 
 void ParameterShards::gather_parameters() {
   at::NoGradGuard no_grad;
+  const auto& pieces = layout_.pieces;
   if (masters_) {
-    for (size_t s = 0; s < pieces_.size(); ++s) {
-      const ShardPiece& piece = pieces_[s];
-      flat(parameters_[piece.parameter]).narrow(0, piece.offset, piece.numel).copy_(shards_[s]);
+    for (size_t s = 0; s < pieces.size(); ++s) {
+      const ShardPiece& piece = pieces[s];
+      flat_view(parameters_[piece.parameter])
+          .narrow(0, piece.offset, piece.numel)
+          .copy_(shards_[s]);
     }
   }
   if (group_->getSize() == 1) {
     return;  // the shards are the whole parameters
   }
   std::vector<at::Tensor> own;
-  own.reserve(pieces_.size());
-  for (const ShardPiece& piece : pieces_) {
-    own.push_back(flat(parameters_[piece.parameter]).narrow(0, piece.offset, piece.numel));
+  own.reserve(pieces.size());
+  for (const ShardPiece& piece : pieces) {
+    own.push_back(flat_view(parameters_[piece.parameter]).narrow(0, piece.offset, piece.numel));
   }
-  for (const Bucket& bucket : buckets_) {
+  for (const ShardBucket& bucket : layout_.buckets) {
     const at::Tensor all = gather_bucket(bucket, own, bucket.dtype);
     for (size_t j = 0; j < bucket.parameters.size(); ++j) {
       const at::Tensor& p = parameters_[bucket.parameters[j]];
-      flat(p).copy_(all.narrow(0, bucket.starts[j], p.numel()));
+      flat_view(p).copy_(all.narrow(0, bucket.starts[j], p.numel()));
     }
   }
 }
 
-at::Tensor ParameterShards::gather_bucket(const Bucket& bucket,
+at::Tensor ParameterShards::gather_bucket(const ShardBucket& bucket,
                                           const std::vector<at::Tensor>& per_shard,
                                           at::ScalarType dtype) const {
   const auto options = at::TensorOptions().dtype(dtype).device(bucket.device);
@@ -158,15 +158,15 @@ at::Tensor ParameterShards::gather_bucket(const Bucket& bucket,
 }
 
 std::vector<at::Tensor> ParameterShards::gather(const std::vector<at::Tensor>& per_shard) const {
-  TORCH_CHECK(per_shard.size() == pieces_.size(),
+  TORCH_CHECK(per_shard.size() == layout_.pieces.size(),
               "ParameterShards::gather: ",
               per_shard.size(),
               " tensors for ",
-              pieces_.size(),
+              layout_.pieces.size(),
               " shards");
   std::vector<at::Tensor> whole(parameters_.size());
-  for (const Bucket& bucket : buckets_) {
-    const at::Tensor all = gather_bucket(bucket, per_shard, bucket.shard_dtype);
+  for (const ShardBucket& bucket : layout_.buckets) {
+    const at::Tensor all = gather_bucket(bucket, per_shard, shard_dtype(bucket));
     for (size_t j = 0; j < bucket.parameters.size(); ++j) {
       const at::Tensor& p = parameters_[bucket.parameters[j]];
       whole[bucket.parameters[j]] = all.narrow(0, bucket.starts[j], p.numel()).view(p.sizes());
@@ -183,8 +183,8 @@ std::vector<at::Tensor> ParameterShards::slice(const std::vector<at::Tensor>& pe
               parameters_.size(),
               " parameters");
   std::vector<at::Tensor> pieces;
-  pieces.reserve(pieces_.size());
-  for (const ShardPiece& piece : pieces_) {
+  pieces.reserve(layout_.pieces.size());
+  for (const ShardPiece& piece : layout_.pieces) {
     const at::Tensor& value = per_parameter[piece.parameter];
     if (!value.defined()) {
       pieces.emplace_back();
@@ -197,7 +197,7 @@ std::vector<at::Tensor> ParameterShards::slice(const std::vector<at::Tensor>& pe
                 value.numel(),
                 " elements, the parameter ",
                 parameters_[piece.parameter].numel());
-    pieces.push_back(flat(value).narrow(0, piece.offset, piece.numel).clone());
+    pieces.push_back(flat_view(value).narrow(0, piece.offset, piece.numel).clone());
   }
   return pieces;
 }

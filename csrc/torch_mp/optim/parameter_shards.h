@@ -1,33 +1,35 @@
 #pragma once
-// How the distributed (ZeRO) optimizer cuts parameters over a data-parallel group
-// (docs/design.md §5b): the parameters, in order, are laid end to end in flat buckets; each
-// bucket is padded to a multiple of the group size and cut into that many equal ranges; rank r
-// owns range r of every bucket and steps the elements of the parameters that fall in it.
-//
-//   bucket 0:  | w0 ............ | w1 ...... | b1 | pad |
-//   dp = 2:    |<----- rank 0 ----->|<----- rank 1 ----->|
-//   shards of rank 0: w0 (whole), w1[0:k];  of rank 1: w1[k:], b1
-//
-// A shard is a 1-D tensor over one parameter's owned elements: a view of the parameter (its
-// updates land in place) or, with a master dtype, a copy in that dtype (fp32 masters of 16-bit
-// parameters). After the local optimizer steps the shards, gather_parameters() all-gathers every
-// bucket, so each rank holds the whole updated model again. Parameters never straddle buckets.
+// The distributed (ZeRO) optimizer's view of the parameters of one data-parallel group: the flat
+// buckets of data_parallel/shard_layout.h, and for each piece this rank owns a shard, the 1-D
+// tensor the local optimizer steps: a view of the parameter's elements (its updates land in
+// place) or, with a master dtype, a copy in that dtype (fp32 masters of 16-bit parameters).
+// Their gradients are the parameters' (averaged by DataParallel: ZeRO-1), or this rank's range
+// of the reduce-scatter of a DataParallel that shards gradients (ZeRO-2,
+// data_parallel/sharded_gradient_sync.h). After the local optimizer steps the shards,
+// gather_parameters() all-gathers every bucket, so each rank holds the whole updated model.
 // Both front ends' DistributedOptimizer are thin wrappers of this class.
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
+#include "torch_mp/data_parallel/shard_layout.h"
 #include "torch_mp/process_groups.h"
+
+namespace torch_mp::data_parallel {
+class ShardedGradientSync;
+}  // namespace torch_mp::data_parallel
 
 namespace torch_mp::optim {
 
 /// Options of ParameterShards (and of DistributedOptimizer).
 struct ParameterShardsOptions {
-  /// Size of a flat bucket in MiB (a parameter larger than that gets a bucket of its own).
+  /// Size of a flat bucket in MiB (a parameter larger than that gets a bucket of its own). A
+  /// DataParallel that shards the gradients decides it instead: its buckets are these.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   /// Keep the shards as copies in this dtype (fp32 master weights of 16-bit parameters): their
   /// gradients are converted to it, and the stepped values written back rounded. None (or the
@@ -35,19 +37,16 @@ struct ParameterShardsOptions {
   TORCH_ARG(std::optional<at::ScalarType>, master_dtype) = std::nullopt;
 };
 
-/// One shard: the elements [offset, offset + numel) of parameter `parameter` (flattened).
-struct ShardPiece {
-  size_t parameter;
-  int64_t offset;
-  int64_t numel;
-};
+using data_parallel::ShardPiece;
 
 /// The parameters of one data-parallel group, cut into flat buckets and owned range by range
 /// (see the top of this file).
 class ParameterShards {
  public:
   /// Raises on every rank if the ranks' parameters differ in number, shape or dtype, and if a
-  /// parameter is not contiguous (its flat view would not be its elements).
+  /// parameter is not contiguous (its flat view would not be its elements). Parameters whose
+  /// gradients a DataParallel(shard_gradients=True) reduces must be all of its parameters, in
+  /// its order.
   ParameterShards(std::vector<at::Tensor> parameters,
                   GroupPtr group,
                   ParameterShardsOptions options = {});
@@ -55,16 +54,21 @@ class ParameterShards {
   /// The 1-D tensors this rank steps, one per piece (views, or masters in master_dtype).
   const std::vector<at::Tensor>& shards() const { return shards_; }
   /// Which elements of which parameter each shard covers.
-  const std::vector<ShardPiece>& pieces() const { return pieces_; }
+  const std::vector<ShardPiece>& pieces() const { return layout_.pieces; }
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
   const GroupPtr& group() const { return group_; }
   /// How many flat buckets the parameters fill.
-  size_t num_buckets() const { return buckets_.size(); }
+  size_t num_buckets() const { return layout_.buckets.size(); }
+  /// The DataParallel engine whose reduce-scatter gives the shards' gradients, or null (then
+  /// they are the parameters' .grad).
+  const std::shared_ptr<data_parallel::ShardedGradientSync>& gradients() const {
+    return gradients_;
+  }
 
-  /// Points each shard's `.grad` at its parameter's gradient elements (converted to the master
-  /// dtype, when there is one); a parameter without a gradient leaves its shards without one.
+  /// Points each shard's `.grad` at its averaged gradient elements (converted to the shard's
+  /// dtype where they differ); a parameter without a gradient leaves its shards without one.
   void take_gradients();
-  /// Drops the shards' `.grad` (they hold the parameters' gradients alive).
+  /// Drops the shards' `.grad` (and a sharding DataParallel's reduced gradients, once stepped).
   void release_gradients();
   /// Writes master shards back into their parameters (rounded), then all-gathers every bucket,
   /// so every rank holds every rank's updated elements. Collective over the group.
@@ -80,29 +84,20 @@ class ParameterShards {
   std::vector<at::Tensor> slice(const std::vector<at::Tensor>& per_parameter) const;
 
  private:
-  struct Bucket {
-    at::ScalarType dtype;        // of its parameters
-    at::ScalarType shard_dtype;  // of its shards (the master dtype, if any)
-    c10::Device device;
-    std::vector<size_t> parameters;     // indices into parameters_
-    std::vector<int64_t> starts;        // each one's first element in the bucket
-    int64_t chunk;                      // elements per rank (the padded size / group size)
-    std::vector<size_t> pieces;         // indices into pieces_ of this rank's shards in it
-    std::vector<int64_t> piece_starts;  // each shard's first element in this rank's chunk
-  };
-
   // The bucket's elements of every rank: this rank's from `per_shard` (in `dtype`; zeros where
   // undefined, and in the padding), the others' received.
-  at::Tensor gather_bucket(const Bucket& bucket,
+  at::Tensor gather_bucket(const data_parallel::ShardBucket& bucket,
                            const std::vector<at::Tensor>& per_shard,
                            at::ScalarType dtype) const;
+  at::ScalarType shard_dtype(const data_parallel::ShardBucket& bucket) const;
 
   std::vector<at::Tensor> parameters_;
   GroupPtr group_;
-  bool masters_;
-  std::vector<Bucket> buckets_;
-  std::vector<ShardPiece> pieces_;
+  std::optional<at::ScalarType> master_dtype_;
+  bool masters_ = false;
+  data_parallel::ShardLayout layout_;
   std::vector<at::Tensor> shards_;
+  std::shared_ptr<data_parallel::ShardedGradientSync> gradients_;
 };
 
 }  // namespace torch_mp::optim

@@ -6,6 +6,7 @@
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_gradient_sync.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/mesh.h"
 
@@ -136,6 +137,14 @@ void Pipeline::reset(const StorePtr& store, const std::string& key) {
 
 std::optional<at::Tensor> Pipeline::step(const std::vector<at::Tensor>& inputs,
                                          const std::vector<at::Tensor>& targets) {
+  for (const auto& p : tied_) {
+    TORCH_CHECK(!data_parallel::ShardedGradientSync::of(p),
+                "Pipeline: a tied parameter (shape ",
+                p.sizes(),
+                ") is in a DataParallel with shard_gradients or grad_dtype, whose reduce-"
+                "scatter leaves no whole gradient to sum with its tied copy's; this is not "
+                "supported yet (use shard_gradients=False, or untie)");
+  }
   auto loss = executor_->step(split(inputs), split(targets));
   for (auto& p : tied_) {
     at::Tensor grad = p.grad();

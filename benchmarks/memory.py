@@ -1,0 +1,269 @@
+"""Memory per data-parallel rank: DDP + AdamW, torch's ZeroRedundancyOptimizer, FSDP2's
+``fully_shard``, and torch_mp's DistributedOptimizer (ZeRO-1), with sharded gradients (ZeRO-2),
+and bf16 with fp32 main gradients and masters; with the step time of each. Then activation
+memory of a transformer layer with and without recomputation.
+
+Run on CPU with Gloo, once per data-parallel size::
+
+    .venv/bin/torchrun --standalone --nproc-per-node=2 benchmarks/memory.py
+    .venv/bin/torchrun --standalone --nproc-per-node=4 benchmarks/memory.py
+
+The model is ``--layers`` x ``nn.Linear(width, width)`` + GELU (the defaults: 12 x 2048 x 2048,
+50M parameters, 201 MB in fp32), trained with AdamW on ``--batch`` rows per rank. Each setup is
+built from scratch inside torch_mp's dispatcher-level counter (``torch_mp._memory.PeakMemory``,
+which sees every tensor the C++ core and c10d allocate on the calling thread), trained for
+``--steps`` steps, and reported as:
+
+- parameters, and optimizer state (what the optimizer's state holds on this rank: the local
+  optimizer's for the sharded ones, fp32 masters included), from the tensors themselves;
+- gradients and buffers: everything else alive between steps (``.grad``, DDP's buckets, the
+  sharded gradients, fp32 main gradients);
+- the peak during a step, and the median step time (the slowest rank's, between barriers).
+
+Beside the measured total, the formula for it in units of Psi (the model's parameters), with
+Adam's 8 bytes of moments per fp32 parameter and N data ranks. Every rank of one machine shares
+its two cores: the step times compare the setups with one another, not with a real cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torch_mp
+from torch_mp._memory import PeakMemory
+
+MB = 1e6
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8, help="rows per rank")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps (after one untimed)")
+    parser.add_argument("--seq", type=int, default=256, help="of the activation benchmark")
+    parser.add_argument("--hidden", type=int, default=512, help="of the activation benchmark")
+    parser.add_argument("--heads", type=int, default=8, help="of the activation benchmark")
+    return parser.parse_args()
+
+
+def model_of(args: argparse.Namespace) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [nn.Linear(args.width, args.width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def state_bytes(state: dict) -> int:
+    total, seen = 0, set()
+    for per_param in state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                key = local.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += local.untyped_storage().nbytes()
+    return total
+
+
+def masters_bytes(optimizer) -> int:
+    """The fp32 master shards of a DistributedOptimizer (they are its local optimizer's
+    parameters, and not the model's)."""
+    if not isinstance(optimizer, torch_mp.DistributedOptimizer):
+        return 0
+    model = {p.untyped_storage().data_ptr() for g in optimizer.param_groups for p in g["params"]}
+    return sum(
+        s.untyped_storage().nbytes()
+        for g in optimizer.local_optimizer.param_groups
+        for s in g["params"]
+        if s.untyped_storage().data_ptr() not in model
+    )
+
+
+def setups(mesh, args) -> dict[str, Callable]:
+    group = mesh.dp_group
+
+    def ddp():
+        model = model_of(args)
+        wrapped = DistributedDataParallel(model, process_group=group)
+        return wrapped, model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.float32
+
+    def zero_redundancy():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        model = model_of(args)
+        wrapped = DistributedDataParallel(model, process_group=group)
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-4
+        )
+        return wrapped, model, optimizer, torch.float32
+
+    def fsdp2():
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = model_of(args)
+        dp_mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+        return model, model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.float32
+
+    def zero1():
+        model = model_of(args)
+        wrapped = torch_mp.DataParallel(model, mesh=mesh)
+        optimizer = torch_mp.DistributedOptimizer(
+            model.parameters(), torch.optim.AdamW, mesh=mesh, lr=1e-4
+        )
+        return wrapped, model, optimizer, torch.float32
+
+    def zero2():
+        model = model_of(args)
+        wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_gradients=True)
+        optimizer = torch_mp.DistributedOptimizer(
+            model.parameters(), torch.optim.AdamW, mesh=mesh, lr=1e-4
+        )
+        return wrapped, model, optimizer, torch.float32
+
+    def bf16():
+        model = model_of(args).to(torch.bfloat16)
+        wrapped = torch_mp.DataParallel(model, mesh=mesh, grad_dtype=torch.float32)
+        optimizer = torch_mp.DistributedOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            mesh=mesh,
+            master_dtype=torch.float32,
+            lr=1e-4,
+        )
+        return wrapped, model, optimizer, torch.bfloat16
+
+    return {
+        "DDP + AdamW": (ddp, lambda n: 16),
+        "DDP + ZeroRedundancyOptimizer": (zero_redundancy, lambda n: 8 + 8 / n),
+        "FSDP2 fully_shard": (fsdp2, lambda n: 16 / n),
+        "torch_mp ZeRO-1": (zero1, lambda n: 8 + 8 / n),
+        "torch_mp ZeRO-2": (zero2, lambda n: 4 + 12 / n),
+        "torch_mp bf16, fp32 grads + masters": (bf16, lambda n: 6 + 12 / n),
+    }
+
+
+def barrier_time(fn, group) -> float:
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    dist.barrier(group=group)
+    return time.perf_counter() - start
+
+
+def measure(build, args, mesh, timing_group) -> dict:
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(mesh.dp_rank))
+    with PeakMemory() as counter:
+        wrapped, model, optimizer, dtype = build()
+        inputs = x.to(dtype)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            wrapped(inputs).float().square().mean().backward()
+            optimizer.step()
+
+        step()  # the state exists from the first step on
+        between = counter.current
+        counter.peak = 0
+        times = [barrier_time(step, timing_group) for _ in range(args.steps)]
+        peak = counter.peak + between  # the step's peak above what lived before it
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    if hasattr(next(model.parameters()), "to_local"):  # FSDP2: this rank's shards
+        params = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps one
+    state = state_bytes(getattr(inner, "state", {})) + masters_bytes(optimizer)
+    return {
+        "params": params,
+        "state": state,
+        "rest": between - params - state,
+        "total": between,
+        "peak": peak,
+        "time": statistics.median(times),
+    }
+
+
+def activation_memory(args) -> list[tuple[str, float, float]]:
+    """Bytes saved for backward by one ParallelTransformerLayer (tp 1, dropout 0.1, fp32), with
+    and without recomputation, and the forward + backward time of each."""
+    layer = torch_mp.ParallelTransformerLayer(
+        args.hidden, args.heads, ffn_hidden_size=4 * args.hidden, dropout=0.1
+    )
+    x = torch.randn(args.seq, 1, args.hidden, requires_grad=True)
+    rows = []
+    for name, run in [("none", layer), ("full", lambda t: torch_mp.recompute(layer, t))]:
+        with PeakMemory() as counter:
+            out = run(x)
+            saved = counter.current - out.untyped_storage().nbytes()
+        start = time.perf_counter()
+        for _ in range(3):
+            run(x).sum().backward()
+        rows.append((name, saved, (time.perf_counter() - start) / 3))
+        del out
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    mesh = torch_mp.init(backend="gloo", timeout=120)
+    timing = dist.new_group(backend="gloo")
+    rank, n = dist.get_rank(), mesh.dp_size
+    results = {}
+    for name, (build, formula) in setups(mesh, args).items():
+        try:
+            results[name] = (measure(build, args, mesh, timing), formula(n))
+        except Exception as e:  # noqa: BLE001  (a peer that cannot run here is reported)
+            results[name] = (f"{type(e).__name__}: {str(e).splitlines()[0][:60]}", formula(n))
+        dist.barrier()
+    if rank == 0:
+        psi = args.layers * (args.width + 1) * args.width
+        print(
+            f"\n{args.layers} x Linear({args.width}, {args.width}): Psi = {psi / 1e6:.1f}M "
+            f"parameters, dp = {n}, MB per rank\n"
+        )
+        print(
+            "| setup | params | grads + buffers | optimizer state | total | formula "
+            "| step peak | step time |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for name, (r, formula) in results.items():
+            if isinstance(r, str):
+                print(f"| {name} | {r} | | | | {formula:.1f} Psi | | |")
+                continue
+            print(
+                f"| {name} | {r['params'] / MB:.0f} | {r['rest'] / MB:.0f} | "
+                f"{r['state'] / MB:.0f} | {r['total'] / MB:.0f} | "
+                f"{formula:.1f} Psi = {formula * psi / MB:.0f} | {r['peak'] / MB:.0f} | "
+                f"{r['time'] * 1e3:.0f} ms |"
+            )
+        s, b, h, a = args.seq, 1, args.hidden, args.heads
+        print(
+            f"\nActivations of one ParallelTransformerLayer (s={s}, b={b}, h={h}, a={a}, fp32, "
+            f"dropout 0.1); Korthikanti et al.'s sbh(34 + 5as/h) counts 16-bit tensors and 1-byte "
+            f"masks: {s * b * h * (34 + 5 * a * s / h) / MB:.1f} MB in their units\n"
+        )
+        print("| recompute | saved for backward | forward + backward |")
+        print("|---|---|---|")
+        for name, saved, seconds in activation_memory(args):
+            print(f"| {name} | {saved / MB:.1f} MB | {seconds * 1e3:.0f} ms |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <sstream>
+#include <unordered_map>
+
+#include "torch_mp/agreement.h"
+#include "torch_mp/comm.h"
+#include "torch_mp/data_parallel/gradient_sync.h"
+
+namespace torch_mp::data_parallel {
+namespace {
+
+// Which engine reduces each parameter's gradient (the optimizer and clipping look it up).
+std::mutex registry_mutex;
+std::unordered_map<const c10::TensorImpl*, std::weak_ptr<ShardedGradientSync>>& registry() {
+  static std::unordered_map<const c10::TensorImpl*, std::weak_ptr<ShardedGradientSync>> map;
+  return map;
+}
+
+}  // namespace
+
+std::shared_ptr<ShardedGradientSync> ShardedGradientSync::create(
+    std::vector<at::Tensor> parameters,
+    std::vector<at::Tensor> buffers,
+    GroupPtr group,
+    ShardedGradientSyncOptions options) {
+  std::shared_ptr<ShardedGradientSync> sync(new ShardedGradientSync(
+      std::move(parameters), std::move(buffers), std::move(group), std::move(options)));
+  sync->register_hooks();
+  return sync;
+}
+
+ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
+                                         std::vector<at::Tensor> buffers,
+                                         GroupPtr group,
+                                         ShardedGradientSyncOptions options)
+    : buffers_(std::move(buffers)),
+      group_(std::move(group)),
+      broadcast_buffers_(options.broadcast_buffers()),
+      bucket_cap_mb_(options.bucket_cap_mb()),
+      grad_dtype_(options.grad_dtype()) {
+  TORCH_CHECK(group_, "DataParallel: no data-parallel group");
+  broadcast_from_first_rank(parameters, group_);
+  broadcast_from_first_rank(buffers_, group_);
+  for (auto& p : parameters) {
+    if (p.requires_grad()) {
+      parameters_.push_back(p);
+    }
+  }
+  comm::check_same_tensors_across_ranks(
+      parameters_, group_, "DataParallel: the parameters that require grad");
+  TORCH_CHECK(!parameters_.empty(), "DataParallel: the module has no parameter that requires grad");
+  layout_ = ShardLayout::of(parameters_, group_->getSize(), group_->getRank(), bucket_cap_mb_);
+  bucket_of_.resize(parameters_.size());
+  start_of_.resize(parameters_.size());
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const auto& members = layout_.buckets[b].parameters;
+    for (size_t j = 0; j < members.size(); ++j) {
+      bucket_of_[members[j]] = b;
+      start_of_[members[j]] = layout_.buckets[b].starts[j];
+    }
+    if (grad_dtype_) {
+      const auto& bucket = layout_.buckets[b];
+      main_.push_back(at::zeros({bucket.chunk * group_->getSize()},
+                                at::TensorOptions().dtype(*grad_dtype_).device(bucket.device)));
+    }
+  }
+  reduced_.resize(layout_.buckets.size());
+  ready_.assign(parameters_.size(), false);
+  ready_count_.assign(layout_.buckets.size(), 0);
+}
+
+void ShardedGradientSync::register_hooks() {
+  std::weak_ptr<ShardedGradientSync> weak = weak_from_this();
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    auto& known = registry()[parameters_[i].unsafeGetTensorImpl()];
+    TORCH_CHECK(known.expired(),
+                "DataParallel: a parameter of shape ",
+                parameters_[i].sizes(),
+                " is already wrapped in another DataParallel that shards its gradients");
+    known = weak;
+    // The accumulator is held here: the parameter holds it weakly, and a new one would not
+    // carry the hook.
+    accumulators_.push_back(torch::autograd::impl::grad_accumulator(parameters_[i]));
+    hook_keys_.push_back(accumulators_.back()->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [weak, i](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list&) {
+              if (auto self = weak.lock()) {
+                self->on_gradient(i);
+              }
+              return outputs;
+            })));
+  }
+}
+
+ShardedGradientSync::~ShardedGradientSync() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (const auto& p : parameters_) {
+    const auto found = registry().find(p.unsafeGetTensorImpl());
+    if (found != registry().end() && found->second.expired()) {
+      registry().erase(found);
+    }
+  }
+}
+
+std::shared_ptr<ShardedGradientSync> ShardedGradientSync::of(const at::Tensor& parameter) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const auto found = registry().find(parameter.unsafeGetTensorImpl());
+  return found == registry().end() ? nullptr : found->second.lock();
+}
+
+void ShardedGradientSync::prepare_for_forward() {
+  if (!at::GradMode::is_enabled()) {
+    return;
+  }
+  if (buffers_stale_ && broadcast_buffers_ && !buffers_.empty()) {
+    broadcast_from_first_rank(buffers_, group_);
+  }
+  buffers_stale_ = false;
+}
+
+void ShardedGradientSync::prepare_for_backward() {
+  check_complete();
+  std::lock_guard<std::mutex> lock(mutex_);
+  buffers_stale_ = true;
+  armed_ = true;
+  ready_.assign(parameters_.size(), false);
+  ready_count_.assign(layout_.buckets.size(), 0);
+  launched_ = 0;
+}
+
+void ShardedGradientSync::on_gradient(size_t i) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::Tensor& grad = parameters_[i].mutable_grad();
+  if (!grad.defined()) {
+    return;
+  }
+  const size_t b = bucket_of_[i];
+  if (grad_dtype_) {  // into the main gradients, this backward's part
+    main_[b].narrow(0, start_of_[i], grad.numel()).add_(flat_view(grad));
+    grad.reset();
+  }
+  if (!armed_ || ready_[i]) {
+    return;
+  }
+  ready_[i] = true;
+  if (++ready_count_[b] == layout_.buckets[b].parameters.size()) {
+    launch(b);
+  }
+}
+
+void ShardedGradientSync::launch(size_t b) {
+  const ShardBucket& bucket = layout_.buckets[b];
+  const int64_t size = group_->getSize();
+  at::Tensor input;
+  if (grad_dtype_) {
+    input = main_[b];
+  } else {
+    input = at::zeros({bucket.chunk * size},
+                      at::TensorOptions().dtype(bucket.dtype).device(bucket.device));
+    for (size_t j = 0; j < bucket.parameters.size(); ++j) {
+      at::Tensor& grad = parameters_[bucket.parameters[j]].mutable_grad();
+      input.narrow(0, bucket.starts[j], grad.numel()).copy_(flat_view(grad));
+      grad.reset();
+    }
+  }
+  input.div_(size);  // averaged, as DDP divides before it sums
+  at::Tensor output = at::empty({bucket.chunk}, input.options());
+  std::vector<at::Tensor> outputs{output};
+  std::vector<std::vector<at::Tensor>> inputs(1);
+  for (int64_t r = 0; r < size; ++r) {
+    inputs[0].push_back(input.narrow(0, r * bucket.chunk, bucket.chunk));
+  }
+  pending_.push_back({b, input, output, group_->reduce_scatter(outputs, inputs)});
+  if (++launched_ == layout_.buckets.size()) {
+    finish();
+  }
+}
+
+void ShardedGradientSync::finish() {
+  for (auto& pending : pending_) {
+    comm::wait(pending.work, group_, "reduce_scatter");
+    at::Tensor& reduced = reduced_[pending.bucket];
+    reduced = reduced.defined() ? reduced.add_(pending.output) : pending.output;
+    if (grad_dtype_) {
+      main_[pending.bucket].zero_();  // sent: the next step accumulates afresh
+    }
+  }
+  pending_.clear();
+  armed_ = false;
+}
+
+at::Tensor ShardedGradientSync::piece_gradient(size_t piece) const {
+  check_complete();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const auto& bucket = layout_.buckets[b];
+    for (size_t k = 0; k < bucket.pieces.size(); ++k) {
+      if (bucket.pieces[k] == piece) {
+        return reduced_[b].defined()
+                   ? reduced_[b].narrow(0, bucket.piece_starts[k], layout_.pieces[piece].numel)
+                   : at::Tensor();
+      }
+    }
+  }
+  TORCH_CHECK(false, "ShardedGradientSync: no piece ", piece);
+}
+
+void ShardedGradientSync::release() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& r : reduced_) {
+    r.reset();
+  }
+}
+
+void ShardedGradientSync::check_complete() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!armed_ || std::find(ready_.begin(), ready_.end(), true) == ready_.end()) {
+    return;  // nothing armed, or an armed backward that has not run yet
+  }
+  std::ostringstream missing;
+  int64_t count = 0;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (!ready_[i] && count++ < 8) {
+      missing << (count > 1 ? ", " : "") << "parameter " << i << " " << parameters_[i].sizes();
+    }
+  }
+  TORCH_CHECK(false,
+              "DataParallel(shard_gradients=True): the synced backward gave no gradient to ",
+              count,
+              " parameters (",
+              missing.str(),
+              "); every parameter must get one, as there is no find_unused_parameters");
+}
+
+}  // namespace torch_mp::data_parallel

@@ -1,0 +1,132 @@
+#pragma once
+// The gradient engine of DataParallel(shard_gradients=True) and of DataParallel(grad_dtype=...):
+// gradients reduce-scattered over the data-parallel group so that each rank keeps the averaged
+// gradient of its own range only (ZeRO-2), in the flat buckets of shard_layout.h, which the
+// DistributedOptimizer steps (docs/design.md §5.4).
+//
+//   every backward     (grad_dtype) each parameter's new gradient is added into an fp32 main
+//                      gradient bucket and dropped from .grad, micro-batch after micro-batch
+//   synced backward    as the last parameter of a bucket gets its gradient, the bucket (the main
+//                      gradients, or the .grads copied out and dropped) is divided by the group
+//                      size and reduce-scattered, while backward goes on; when every bucket has
+//                      been sent, each rank adds its range into its reduced gradients
+//   optimizer step     the DistributedOptimizer reads this rank's pieces (piece_gradient), then
+//                      release() drops them
+//
+// After a synced backward the parameters' .grad are None: the averaged gradients are here, and
+// only a DistributedOptimizer (and clip_grad_norm_) reads them. Every parameter must get a
+// gradient in a synced backward (there is no find_unused_parameters); one that did not is named
+// at the next step.
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "torch_mp/data_parallel/shard_layout.h"
+#include "torch_mp/process_groups.h"
+
+namespace c10d {
+class Work;
+}  // namespace c10d
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
+
+namespace torch_mp::data_parallel {
+
+/// Options of ShardedGradientSync.
+struct ShardedGradientSyncOptions {
+  /// Size of a flat bucket in MiB (it is also the DistributedOptimizer's).
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Accumulate and reduce in this dtype (fp32 main gradients of 16-bit parameters); None: in
+  /// the parameters' dtype, from their .grad.
+  TORCH_ARG(std::optional<at::ScalarType>, grad_dtype) = std::nullopt;
+  /// Copy rank 0's buffers to every rank before the first forward after each synced backward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+};
+
+/// Reduce-scatters the gradients of `parameters` over a data-parallel group (see the top of the
+/// file). Made by create(): its gradient hooks hold it weakly.
+class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientSync> {
+ public:
+  /// Copies rank 0's parameters and buffers to every rank. Raises on every rank if the ranks'
+  /// parameters or buffers differ in number, shape or dtype.
+  static std::shared_ptr<ShardedGradientSync> create(std::vector<at::Tensor> parameters,
+                                                     std::vector<at::Tensor> buffers,
+                                                     GroupPtr group,
+                                                     ShardedGradientSyncOptions options = {});
+  ~ShardedGradientSync();
+  ShardedGradientSync(const ShardedGradientSync&) = delete;
+  ShardedGradientSync& operator=(const ShardedGradientSync&) = delete;
+
+  /// The engine that reduces `parameter`'s gradient, or null.
+  static std::shared_ptr<ShardedGradientSync> of(const at::Tensor& parameter);
+
+  /// Call before a forward: broadcasts the buffers when a synced backward ran since the last
+  /// broadcast (as GradientSync does).
+  void prepare_for_forward();
+  /// Arms the reduction: the next backward that accumulates into the parameters reduce-scatters
+  /// them (gradients accumulated by earlier backwards included).
+  void prepare_for_backward();
+
+  /// This rank's averaged gradient of piece `piece` of the layout (1-D, in the gradient dtype);
+  /// undefined before a synced backward. Raises, naming the parameters, if the last synced
+  /// backward left some without a gradient.
+  at::Tensor piece_gradient(size_t piece) const;
+  /// Drops the reduced gradients (after the optimizer step that read them; zero_grad).
+  void release();
+  /// Raises, naming them, if an armed reduction is missing parameters' gradients.
+  void check_complete() const;
+
+  const ShardLayout& layout() const { return layout_; }
+  const std::vector<at::Tensor>& parameters() const { return parameters_; }
+  const GroupPtr& group() const { return group_; }
+  double bucket_cap_mb() const { return bucket_cap_mb_; }
+
+ private:
+  ShardedGradientSync(std::vector<at::Tensor> parameters,
+                      std::vector<at::Tensor> buffers,
+                      GroupPtr group,
+                      ShardedGradientSyncOptions options);
+  void register_hooks();
+  void on_gradient(size_t parameter);  // after AccumulateGrad of `parameter`
+  void launch(size_t bucket);
+  void finish();
+
+  struct Pending {
+    size_t bucket;
+    at::Tensor input;   // the whole bucket, divided by the group size
+    at::Tensor output;  // this rank's range of the sum
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  std::vector<at::Tensor> parameters_;
+  std::vector<at::Tensor> buffers_;
+  GroupPtr group_;
+  bool broadcast_buffers_;
+  bool buffers_stale_ = false;
+  double bucket_cap_mb_;
+  std::optional<at::ScalarType> grad_dtype_;
+  ShardLayout layout_;
+  std::vector<size_t> bucket_of_;  // each parameter's bucket
+  std::vector<int64_t> start_of_;  // and its first element in it
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  std::vector<at::Tensor> main_;     // (grad_dtype) each bucket's main gradients, padded
+  std::vector<at::Tensor> reduced_;  // each bucket's reduced range; undefined if none yet
+
+  mutable std::mutex mutex_;  // hooks may run on the autograd engine's device threads
+  bool armed_ = false;
+  std::vector<bool> ready_;          // per parameter, in the armed backward
+  std::vector<size_t> ready_count_;  // per bucket
+  std::vector<Pending> pending_;
+  size_t launched_ = 0;
+};
+
+}  // namespace torch_mp::data_parallel
