@@ -57,8 +57,9 @@ def _logits_after_loading(path: str, probe: str) -> float:
 
 def test_a_checkpoint_the_cpp_example_saved_loads_in_python_with_equal_logits(tmp_path):
     path, probe = str(tmp_path / "cpp_ckpt"), str(tmp_path / "probe.safetensors")
+    # (--zero: the AdamW state is saved from a DistributedOptimizer)
     _torchrun(2, "--tp", "2", "--steps", "2", "--save-every", "2", "--checkpoint", path,
-              "--probe", probe, "--zero")  # fmt: skip  (AdamW saved as a DistributedOptimizer)
+              "--probe", probe, "--zero")  # fmt: skip
     assert sorted(os.listdir(path)) == [
         "index.json",
         "shard-0-0.safetensors",
