@@ -35,15 +35,24 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs, _ = tree_flatten((args, kwargs))
-        seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+        seen = {_address(t) for t in inputs if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         self._sweep()
         outputs, _ = tree_flatten(out)
         for t in outputs:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                key = storage.data_ptr()
+                key = _address(t)
                 if key not in seen and key not in self._live and storage.nbytes() > 0:
                     self._live[key] = (storage.nbytes(), StorageWeakRef(storage))
         self.peak = max(self.peak, sum(nbytes for nbytes, _ in self._live.values()))
         return out
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage lies; None for a storage without data (one resized to nothing, as
+    FSDP leaves its unsharded parameters between uses)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
