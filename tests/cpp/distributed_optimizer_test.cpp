@@ -231,6 +231,86 @@ TEST_P(DistributedOptimizerWorld, Fp32MastersOfBf16ParametersEqualTheRecipeByHan
   });
 }
 
+TEST_P(DistributedOptimizerWorld, Bf16WithFp32MainGradientsEqualsTheRecipeByHand) {
+  const int world = GetParam();
+  constexpr int kMicrobatches = 2;
+  testing::run_on_mesh(world, testing::test_options(1), [&](const Mesh& mesh) {
+    auto model = zero_test_model();
+    auto by_hand = zero_test_model();
+    model->to(at::kBFloat16);
+    by_hand->to(at::kBFloat16);
+    DataParallel dp(model.ptr(),
+                    DataParallelOptions().group(mesh.dp_group).grad_dtype(at::kFloat));
+    DistributedOptimizer zero(
+        model->parameters(),
+        torch::optim::AdamOptions(1e-2),
+        DistributedOptimizerOptions().group(mesh.dp_group).master_dtype(at::kFloat));
+    std::vector<at::Tensor> masters;
+    for (const auto& p : by_hand->parameters()) {
+      masters.push_back(p.detach().to(at::kFloat));
+    }
+    torch::optim::Adam hand_opt(masters, torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < 2; ++step) {
+      const auto x =
+          testing::rank_randn({4 * world * kMicrobatches, kZeroWidth}, 90 + step, 0).to(at::kBFloat16);
+      const auto rows = x.chunk(world * kMicrobatches);
+      zero.zero_grad();
+      for (int m = 0; m < kMicrobatches; ++m) {  // the last micro-batch synced
+        const auto& mine = rows[mesh.dp_rank() * kMicrobatches + m];
+        dp->prepare_for_forward();
+        auto loss = zero_test_loss(model, mine) / kMicrobatches;
+        if (m == kMicrobatches - 1) {
+          dp->prepare_for_backward();
+        }
+        loss.backward();
+      }
+      zero.step();
+      // By hand: each rank's micro-batches' bf16 gradients summed in fp32, then averaged.
+      std::vector<at::Tensor> main;
+      for (const auto& master : masters) {
+        main.push_back(at::zeros_like(master));
+      }
+      const auto params = by_hand->parameters();
+      for (int r = 0; r < world; ++r) {
+        std::vector<at::Tensor> ranks_main;
+        for (const auto& master : masters) {
+          ranks_main.push_back(at::zeros_like(master));
+        }
+        for (int m = 0; m < kMicrobatches; ++m) {
+          for (auto& p : params) {
+            p.mutable_grad().reset();
+          }
+          (zero_test_loss(by_hand, rows[r * kMicrobatches + m]) / kMicrobatches).backward();
+          for (size_t i = 0; i < params.size(); ++i) {
+            ranks_main[i] += params[i].grad().to(at::kFloat);
+          }
+        }
+        for (size_t i = 0; i < main.size(); ++i) {
+          main[i] += ranks_main[i] / world;
+        }
+      }
+      for (size_t i = 0; i < masters.size(); ++i) {
+        masters[i].mutable_grad() = main[i];
+      }
+      hand_opt.step();
+      {
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < masters.size(); ++i) {
+          params[i].copy_(masters[i]);
+        }
+      }
+      const auto actual = model->parameters();
+      for (size_t i = 0; i < actual.size(); ++i) {
+        if (world <= 2) {  // (a sum of two terms has one order)
+          EXPECT_TRUE(at::equal(actual[i], params[i])) << "step " << step << " param " << i;
+        } else {
+          EXPECT_TRUE(at::allclose(actual[i], params[i], 1e-2, 1e-2)) << "step " << step;
+        }
+      }
+    }
+  });
+}
+
 TEST(DistributedOptimizer, ParametersThatDifferAcrossRanksRaiseOnEveryRank) {
   const auto errors = testing::run_on_mesh_collecting_errors(
       2,

@@ -383,6 +383,21 @@ def test_parameters_that_differ_across_data_ranks_raise_on_every_rank(world2):
         assert message is not None and "DistributedOptimizer" in message
 
 
+def _group_added_later() -> str | None:
+    mesh = use_mesh(1)
+    optimizer = _zero(_dense(), mesh)
+    try:
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_adding_a_parameter_group_later_is_refused(world2):
+    for message in world2.run(_group_added_later):
+        assert message is not None and "cannot be added after construction" in message
+
+
 def _non_contiguous_parameter() -> str | None:
     mesh = use_mesh(1)
     weight = nn.Parameter(torch.randn(WIDTH, HIDDEN).t())

@@ -89,6 +89,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.local_optimizer = optimizer_class(local_groups, **defaults)
         super().__init__(groups, self.local_optimizer.defaults)
         self.state = self.local_optimizer.state  # this rank's shards' state only
+        self._constructed = True
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -108,6 +109,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._shards.release_gradients()
         self._shards.gather_parameters()
         return loss
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only at construction: the parameters are cut into shards once, together."""
+        if getattr(self, "_constructed", False):
+            raise NotImplementedError(
+                "DistributedOptimizer: parameter groups cannot be added after construction (the "
+                "parameters are cut over the data ranks together); build it with every group"
+            )
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeros the parameters' gradients, and drops the averaged gradients a

@@ -71,6 +71,15 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
                                 at::TensorOptions().dtype(*grad_dtype_).device(bucket.device)));
     }
   }
+  piece_bucket_.resize(layout_.pieces.size());
+  piece_start_.resize(layout_.pieces.size());
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const auto& bucket = layout_.buckets[b];
+    for (size_t k = 0; k < bucket.pieces.size(); ++k) {
+      piece_bucket_[bucket.pieces[k]] = b;
+      piece_start_[bucket.pieces[k]] = bucket.piece_starts[k];
+    }
+  }
   reduced_.resize(layout_.buckets.size());
   ready_.assign(parameters_.size(), false);
   ready_count_.assign(layout_.buckets.size(), 0);
@@ -204,17 +213,11 @@ void ShardedGradientSync::finish() {
 at::Tensor ShardedGradientSync::piece_gradient(size_t piece) const {
   check_complete();
   std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
-    const auto& bucket = layout_.buckets[b];
-    for (size_t k = 0; k < bucket.pieces.size(); ++k) {
-      if (bucket.pieces[k] == piece) {
-        return reduced_[b].defined()
-                   ? reduced_[b].narrow(0, bucket.piece_starts[k], layout_.pieces[piece].numel)
-                   : at::Tensor();
-      }
-    }
-  }
-  TORCH_CHECK(false, "ShardedGradientSync: no piece ", piece);
+  TORCH_CHECK(piece < piece_bucket_.size(), "ShardedGradientSync: no piece ", piece);
+  const at::Tensor& reduced = reduced_[piece_bucket_[piece]];
+  return reduced.defined()
+             ? reduced.narrow(0, piece_start_[piece], layout_.pieces[piece].numel)
+             : at::Tensor();
 }
 
 void ShardedGradientSync::release() {

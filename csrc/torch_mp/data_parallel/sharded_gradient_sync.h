@@ -116,6 +116,8 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   ShardLayout layout_;
   std::vector<size_t> bucket_of_;  // each parameter's bucket
   std::vector<int64_t> start_of_;  // and its first element in it
+  std::vector<size_t> piece_bucket_;  // each piece's bucket
+  std::vector<int64_t> piece_start_;  // and its first element in this rank's range of it
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::vector<at::Tensor> main_;     // (grad_dtype) each bucket's main gradients, padded
