@@ -355,6 +355,20 @@ def test_a_plain_optimizer_over_sharded_gradients_raises(world2):
         assert message is not None and "DistributedOptimizer" in message
 
 
+def _optimizer_made_before_the_sharding_wrapper() -> str | None:
+    mesh = use_mesh(1)
+    model = _dense()
+    optimizer = _zero(model, mesh)
+    wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_gradients=True)
+    nn.functional.mse_loss(wrapped(_batch(0, 1)[0]), _batch(0, 1)[1]).backward()
+    return error_of(optimizer.step)
+
+
+def test_an_optimizer_made_before_its_sharding_wrapper_raises(world2):
+    for message in world2.run(_optimizer_made_before_the_sharding_wrapper):
+        assert message is not None and "build the optimizer after wrapping" in message
+
+
 def _unused_parameter_is_named() -> str | None:
     mesh = use_mesh(1)
     model = nn.ModuleDict({"used": nn.Linear(WIDTH, WIDTH), "unused": nn.Linear(WIDTH, 3)})

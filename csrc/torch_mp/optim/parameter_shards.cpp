@@ -86,6 +86,14 @@ at::ScalarType ParameterShards::shard_dtype(const ShardBucket& bucket) const {
 
 void ParameterShards::take_gradients() {
   const auto& pieces = layout_.pieces;
+  if (!gradients_) {  // a sharding DataParallel made after us would leave every .grad empty
+    for (const auto& p : parameters_) {
+      TORCH_CHECK(!ShardedGradientSync::of(p),
+                  "DistributedOptimizer: a DataParallel(shard_gradients=True) made after this "
+                  "optimizer reduces its parameters' gradients, so it would find none; build the "
+                  "optimizer after wrapping the module");
+    }
+  }
   for (size_t s = 0; s < pieces.size(); ++s) {
     at::Tensor& target = shards_[s].mutable_grad();
     at::Tensor grad;
