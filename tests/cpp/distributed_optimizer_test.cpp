@@ -239,8 +239,7 @@ TEST_P(DistributedOptimizerWorld, Bf16WithFp32MainGradientsEqualsTheRecipeByHand
     auto by_hand = zero_test_model();
     model->to(at::kBFloat16);
     by_hand->to(at::kBFloat16);
-    DataParallel dp(model.ptr(),
-                    DataParallelOptions().group(mesh.dp_group).grad_dtype(at::kFloat));
+    DataParallel dp(model.ptr(), DataParallelOptions().group(mesh.dp_group).grad_dtype(at::kFloat));
     DistributedOptimizer zero(
         model->parameters(),
         torch::optim::AdamOptions(1e-2),
@@ -251,8 +250,8 @@ TEST_P(DistributedOptimizerWorld, Bf16WithFp32MainGradientsEqualsTheRecipeByHand
     }
     torch::optim::Adam hand_opt(masters, torch::optim::AdamOptions(1e-2));
     for (int step = 0; step < 2; ++step) {
-      const auto x =
-          testing::rank_randn({4 * world * kMicrobatches, kZeroWidth}, 90 + step, 0).to(at::kBFloat16);
+      const auto x = testing::rank_randn({4 * world * kMicrobatches, kZeroWidth}, 90 + step, 0)
+                         .to(at::kBFloat16);
       const auto rows = x.chunk(world * kMicrobatches);
       zero.zero_grad();
       for (int m = 0; m < kMicrobatches; ++m) {  // the last micro-batch synced

@@ -215,9 +215,8 @@ at::Tensor ShardedGradientSync::piece_gradient(size_t piece) const {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(piece < piece_bucket_.size(), "ShardedGradientSync: no piece ", piece);
   const at::Tensor& reduced = reduced_[piece_bucket_[piece]];
-  return reduced.defined()
-             ? reduced.narrow(0, piece_start_[piece], layout_.pieces[piece].numel)
-             : at::Tensor();
+  return reduced.defined() ? reduced.narrow(0, piece_start_[piece], layout_.pieces[piece].numel)
+                           : at::Tensor();
 }
 
 void ShardedGradientSync::release() {
