@@ -310,6 +310,26 @@ TEST_P(DistributedOptimizerWorld, Bf16WithFp32MainGradientsEqualsTheRecipeByHand
   });
 }
 
+TEST(DistributedOptimizer, APlainOptimizerOverShardedGradientsIsCaughtAtTheNextStep) {
+  const auto errors = testing::run_on_mesh_collecting_errors(
+      2,
+      [](int) { return testing::test_options(1); },
+      [](const Mesh& mesh) {
+        auto model = zero_test_model();
+        DataParallel dp(model.ptr(),
+                        DataParallelOptions().group(mesh.dp_group).shard_gradients(true));
+        torch::optim::AdamW plain(model->parameters(), torch::optim::AdamWOptions(1e-2));
+        for (int step = 0; step < 2; ++step) {
+          zero_test_step(model, dp, plain, testing::rank_randn({4, kZeroWidth}, 99, 0));
+        }
+      });
+  for (const auto& error : errors) {
+    ASSERT_TRUE(error.has_value());
+    EXPECT_NE(error->find("not stepped by a torch_mp::DistributedOptimizer"), std::string::npos)
+        << *error;
+  }
+}
+
 TEST(DistributedOptimizer, ParametersThatDifferAcrossRanksRaiseOnEveryRank) {
   const auto errors = testing::run_on_mesh_collecting_errors(
       2,

@@ -38,8 +38,8 @@ struct DataParallelOptions {
   /// Reduce-scatter the gradients so that each rank keeps its range's only (ZeRO-2), for a
   /// DistributedOptimizer over the module's parameters (sharded_gradient_sync.h): the
   /// parameters' .grad are then empty after a synced backward. A plain torch::optim optimizer
-  /// would find no gradient and leave the parameters as they are: LibTorch has no step hook
-  /// through which to refuse it, as the Python front end does.
+  /// would find no gradient and change nothing: LibTorch has no step hook through which to
+  /// refuse it, so the next synced forward raises instead.
   TORCH_ARG(bool, shard_gradients) = false;
   /// Accumulate every backward's gradients into main gradients of this dtype (fp32 for 16-bit
   /// parameters) and reduce in it; implies shard_gradients (the DistributedOptimizer reads them).

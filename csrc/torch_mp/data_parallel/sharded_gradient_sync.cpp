@@ -142,6 +142,15 @@ void ShardedGradientSync::prepare_for_forward() {
 void ShardedGradientSync::prepare_for_backward() {
   check_complete();
   std::lock_guard<std::mutex> lock(mutex_);
+  // Reduced gradients that no DistributedOptimizer stepped (or zero_grad dropped): a plain
+  // optimizer stepped these parameters without finding them, and changed nothing.
+  for (const auto& reduced : reduced_) {
+    TORCH_CHECK(!reduced.defined(),
+                "DataParallel(shard_gradients=True): the gradients the last synced backward "
+                "reduced were not stepped by a torch_mp::DistributedOptimizer (a plain optimizer "
+                "finds no .grad here and changes nothing); accumulate over micro-batches under "
+                "no_sync()");
+  }
   buffers_stale_ = true;
   armed_ = true;
   ready_.assign(parameters_.size(), false);

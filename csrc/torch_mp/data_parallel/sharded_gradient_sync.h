@@ -72,7 +72,9 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   /// broadcast (as GradientSync does).
   void prepare_for_forward();
   /// Arms the reduction: the next backward that accumulates into the parameters reduce-scatters
-  /// them (gradients accumulated by earlier backwards included).
+  /// them (gradients accumulated by earlier backwards included). Raises if the gradients the
+  /// last synced backward reduced were never stepped or dropped by a DistributedOptimizer: a
+  /// plain optimizer would have stepped nothing (LibTorch has no step hook to refuse it).
   void prepare_for_backward();
 
   /// This rank's averaged gradient of piece `piece` of the layout (1-D, in the gradient dtype);
