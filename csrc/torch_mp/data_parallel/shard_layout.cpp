@@ -10,11 +10,13 @@ namespace torch_mp::data_parallel {
 ShardLayout ShardLayout::of(const std::vector<at::Tensor>& parameters,
                             int64_t size,
                             int64_t rank,
-                            double bucket_cap_mb) {
-  TORCH_CHECK(bucket_cap_mb > 0, "bucket_cap_mb must be positive, got ", bucket_cap_mb);
+                            double bucket_cap_mb,
+                            const std::string& owner) {
+  TORCH_CHECK(bucket_cap_mb > 0, owner, ": bucket_cap_mb must be positive, got ", bucket_cap_mb);
   for (size_t i = 0; i < parameters.size(); ++i) {
     TORCH_CHECK(parameters[i].defined() && parameters[i].is_contiguous(),
-                "parameter ",
+                owner,
+                ": parameter ",
                 i,
                 " (shape ",
                 parameters[i].sizes(),

@@ -18,6 +18,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace torch_mp::data_parallel {
@@ -46,12 +47,13 @@ struct ShardLayout {
   std::vector<ShardBucket> buckets;
   std::vector<ShardPiece> pieces;
 
-  /// The layout of `parameters` (contiguous; raises naming one that is not) for rank `rank` of
-  /// `size`, in buckets of `bucket_cap_mb`.
+  /// The layout of `parameters` (contiguous; raises naming one that is not, and `owner`, the
+  /// class that asks) for rank `rank` of `size`, in buckets of `bucket_cap_mb`.
   static ShardLayout of(const std::vector<at::Tensor>& parameters,
                         int64_t size,
                         int64_t rank,
-                        double bucket_cap_mb);
+                        double bucket_cap_mb,
+                        const std::string& owner);
 };
 
 /// The flat elements of a tensor, as a view where it is contiguous (detached).

@@ -56,7 +56,8 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DataParallel: the parameters that require grad");
   TORCH_CHECK(!parameters_.empty(), "DataParallel: the module has no parameter that requires grad");
-  layout_ = ShardLayout::of(parameters_, group_->getSize(), group_->getRank(), bucket_cap_mb_);
+  layout_ = ShardLayout::of(
+      parameters_, group_->getSize(), group_->getRank(), bucket_cap_mb_, "DataParallel");
   bucket_of_.resize(parameters_.size());
   start_of_.resize(parameters_.size());
   for (size_t b = 0; b < layout_.buckets.size(); ++b) {

@@ -54,20 +54,12 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
       group_(std::move(group)),
       master_dtype_(options.master_dtype()) {
   TORCH_CHECK(group_, "DistributedOptimizer: no data-parallel group");
-  for (size_t i = 0; i < parameters_.size(); ++i) {
-    TORCH_CHECK(parameters_[i].defined() && parameters_[i].is_contiguous(),
-                "DistributedOptimizer: parameter ",
-                i,
-                " (shape ",
-                parameters_[i].sizes(),
-                ") is not contiguous; its shards would not be its elements");
-  }
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DistributedOptimizer: the parameters of the data-parallel ranks");
   gradients_ = sharding_engine(parameters_, group_);
   const double cap = gradients_ ? gradients_->bucket_cap_mb() : options.bucket_cap_mb();
-  TORCH_CHECK(cap > 0, "DistributedOptimizer: bucket_cap_mb must be positive, got ", cap);
-  layout_ = data_parallel::ShardLayout::of(parameters_, group_->getSize(), group_->getRank(), cap);
+  layout_ = data_parallel::ShardLayout::of(
+      parameters_, group_->getSize(), group_->getRank(), cap, "DistributedOptimizer");
   for (const ShardPiece& piece : layout_.pieces) {
     const at::Tensor& p = parameters_[piece.parameter];
     at::Tensor view = flat_view(p).narrow(0, piece.offset, piece.numel);
