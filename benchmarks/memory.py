@@ -52,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256, help="of the activation benchmark")
     parser.add_argument("--hidden", type=int, default=512, help="of the activation benchmark")
     parser.add_argument("--heads", type=int, default=8, help="of the activation benchmark")
+    parser.add_argument(
+        "--activations-only", action="store_true", help="only the activation benchmark"
+    )
     return parser.parse_args()
 
 
@@ -201,22 +204,35 @@ def measure(build, args, mesh, timing_group) -> dict:
 
 
 def activation_memory(args) -> list[tuple[str, float, float]]:
-    """Bytes saved for backward by one ParallelTransformerLayer (tp 1, dropout 0.1, fp32), with
-    and without recomputation, and the forward + backward time of each."""
-    layer = torch_mp.ParallelTransformerLayer(
-        args.hidden, args.heads, ffn_hidden_size=4 * args.hidden, dropout=0.1
-    )
+    """Bytes saved for backward by one ParallelTransformerLayer (tp 1, dropout 0.1, fp32)
+    without recomputation, with the layer's ``recompute`` options and under torch_mp.recompute,
+    and the forward + backward time of each."""
+
+    def layer(recompute=None):
+        torch.manual_seed(0)
+        return torch_mp.ParallelTransformerLayer(
+            args.hidden, args.heads, 4 * args.hidden, dropout=0.1, recompute=recompute
+        )
+
+    plain = layer()
     x = torch.randn(args.seq, 1, args.hidden, requires_grad=True)
     rows = []
-    for name, run in [("none", layer), ("full", lambda t: torch_mp.recompute(layer, t))]:
+    for name, run in [
+        ("none", plain),
+        ('recompute="selective"', layer("selective")),
+        ('recompute="full"', layer("full")),
+        ("torch_mp.recompute(layer, x)", lambda t: torch_mp.recompute(plain, t)),
+    ]:
         with PeakMemory() as counter:
             out = run(x)
             saved = counter.current - out.untyped_storage().nbytes()
-        start = time.perf_counter()
-        for _ in range(3):
-            run(x).sum().backward()
-        rows.append((name, saved, (time.perf_counter() - start) / 3))
         del out
+        times = []
+        for _ in range(9):
+            start = time.perf_counter()
+            run(x).sum().backward()
+            times.append(time.perf_counter() - start)
+        rows.append((name, saved, statistics.median(times)))
     return rows
 
 
@@ -227,13 +243,13 @@ def main() -> None:
     timing = dist.new_group(backend="gloo")
     rank, n = dist.get_rank(), mesh.dp_size
     results = {}
-    for name, (build, formula) in setups(mesh, args).items():
+    for name, (build, formula) in ({} if args.activations_only else setups(mesh, args)).items():
         try:
             results[name] = (measure(build, args, mesh, timing), formula(n))
         except Exception as e:  # noqa: BLE001  (a peer that cannot run here is reported)
             results[name] = (f"{type(e).__name__}: {str(e).splitlines()[0][:60]}", formula(n))
         dist.barrier()
-    if rank == 0:
+    if rank == 0 and results:
         psi = args.layers * (args.width + 1) * args.width
         print(
             f"\n{args.layers} x Linear({args.width}, {args.width}): Psi = {psi / 1e6:.1f}M "
@@ -254,13 +270,14 @@ def main() -> None:
                 f"{formula:.1f} Psi = {formula * psi / MB:.0f} | {r['peak'] / MB:.0f} | "
                 f"{r['time'] * 1e3:.0f} ms |"
             )
+    if rank == 0:
         s, b, h, a = args.seq, 1, args.hidden, args.heads
         print(
             f"\nActivations of one ParallelTransformerLayer (s={s}, b={b}, h={h}, a={a}, fp32, "
             f"dropout 0.1); Korthikanti et al.'s sbh(34 + 5as/h) counts 16-bit tensors and 1-byte "
             f"masks: {s * b * h * (34 + 5 * a * s / h) / MB:.1f} MB in their units\n"
         )
-        print("| recompute | saved for backward | forward + backward |")
+        print("| recompute | saved for backward | forward + backward (median of 9) |")
         print("|---|---|---|")
         for name, saved, seconds in activation_memory(args):
             print(f"| {name} | {saved / MB:.1f} MB | {seconds * 1e3:.0f} ms |")

@@ -9,6 +9,13 @@ error that names this function), and :func:`recompute` replays that stream too::
 
     h = torch_mp.recompute(layer, x)       # layer's activations are not kept; backward
                                            # recomputes them with the same dropout masks
+
+Under ``torch.compile`` a checkpointed region is recomputed by the compiled backward, which
+replays the default generators' draws but not the per-rank stream's. There the per-rank stream's
+noise (the operator ``torch_mp::region_dropout_noise``) is saved instead of recomputed, whatever
+the region's policy, so ``torch.utils.checkpoint`` is exact over torch_mp layers in compiled code
+too, and so is the core's recomputation (the layers' ``recompute`` option), which becomes such a
+region when traced.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._higher_order_ops.wrap
+import torch.fx.traceback
 import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy
 
 from torch_mp import _C
 
@@ -87,3 +97,61 @@ def recompute(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=_contexts, **kwargs
     )
+
+
+# ---- under torch.compile --------------------------------------------------------------------
+
+
+def _must_save(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _save_region_noise(mode: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    """The per-rank stream's noise under a selective-checkpoint mode (torch.compile runs every
+    checkpointed region through one): saved, never recomputed."""
+    policy_fn = mode.policy_fn
+    mode.policy_fn = _must_save
+    try:
+        return mode.__torch_dispatch__(func, types, args, kwargs)
+    finally:
+        mode.policy_fn = policy_fn
+
+
+torch.library.register_torch_dispatch(
+    "torch_mp::region_dropout_noise",
+    torch.utils.checkpoint._CachingTorchDispatchMode,
+    _save_region_noise,
+)
+
+
+def _always_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_contexts() -> tuple[Any, Any]:
+    forward, recomputation = torch.utils.checkpoint.create_selective_checkpoint_contexts(
+        _always_recompute
+    )
+    # The region's id in the traced graph, from the counter torch.compile's own checkpointed
+    # regions draw theirs from (the partitioner orders regions by it).
+    forward.ac_graph_id = next(torch._higher_order_ops.wrap.uid)
+    return forward, recomputation
+
+
+def _traced_recompute(function: Callable, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The core's recompute() in traced code (torch.compile), where the streams cannot be
+    replayed eagerly: a checkpointed region, which the compiled backward recomputes (the
+    per-rank stream's noise saved, by the rule above). Through selective checkpointing's modes,
+    which tracing sees inside an operator, as torch.compile's own checkpointed regions run."""
+    # The region's tags in the traced nodes' metadata end with it.
+    with torch.fx.traceback.preserve_node_meta():
+        return torch.utils.checkpoint.checkpoint(
+            function,
+            inputs,
+            use_reentrant=False,
+            context_fn=_recompute_contexts,
+            preserve_rng_state=False,
+        )
+
+
+_C.set_traced_recompute(_traced_recompute)

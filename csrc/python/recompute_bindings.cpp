@@ -8,6 +8,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
+#include <vector>
 
 #include "torch_mp/recompute.h"
 
@@ -48,6 +49,24 @@ void bind_recompute(py::module_& m) {
         });
       },
       py::arg("probe"));
+  m.def(
+      "set_traced_recompute",
+      [](py::function form) {
+        // Kept for the life of the process, as the probe.
+        PyObject* callable = form.release().ptr();
+        set_traced_recompute(
+            [callable](const RecomputeFunction& fn, const std::vector<at::Tensor>& inputs) {
+              py::gil_scoped_acquire gil;
+              const py::cpp_function run([fn](const std::vector<at::Tensor>& in) {
+                const RecomputeScope scope;
+                return fn(in);
+              });
+              return py::handle(callable)(run, inputs).cast<std::vector<at::Tensor>>();
+            });
+      },
+      py::arg("form"),
+      "Installs the traced form of recompute: form(fn, inputs) -> outputs, fn(inputs) -> "
+      "outputs.");
 }
 
 }  // namespace torch_mp::python

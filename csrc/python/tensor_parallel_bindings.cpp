@@ -248,6 +248,7 @@ void bind_blocks(py::module_& m) {
         by_group_name(&tp::check_parallel_transformer_layer),
         py::arg("norm_first"),
         py::arg("layer_norm_eps"),
+        py::arg("recompute"),
         py::arg("group"),
         ReleaseGil());
   m.def("check_parallel_conv_block",

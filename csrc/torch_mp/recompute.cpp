@@ -4,6 +4,7 @@
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/core/Generator.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -12,7 +13,10 @@
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
+#include <utility>
 
+#include "torch_mp/pipeline/split_backward.h"
 #include "torch_mp/tensor_parallel/random.h"
 
 namespace torch_mp {
@@ -107,10 +111,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// What the backward needs besides the inputs: the function and the streams it started from.
+// What the backward needs besides the inputs: the function, the streams it started from, and,
+// between a zero-bubble B and W, the recomputed graph's weight work (pipeline/split_backward.h).
 struct Replay : torch::CustomClassHolder {
   RecomputeFunction fn;
   RandomState state;
+  std::optional<pipeline::WeightWork> weight_work;
+  variable_list weight_leaves;  // the recomputed graph's leaves W accumulates into
 };
 
 std::vector<c10::Device> devices_of(const variable_list& tensors) {
@@ -121,6 +128,29 @@ std::vector<c10::Device> devices_of(const variable_list& tensors) {
     }
   }
   return devices;
+}
+
+// fn again on fresh leaves standing for `saved`, from the streams it first started from; then
+// the streams as they are now come back (other forwards may have drawn since).
+std::pair<variable_list, variable_list> run_again(const Replay& replay,
+                                                  const variable_list& saved) {
+  variable_list leaves;
+  for (const auto& t : saved) {
+    leaves.push_back(t.detach().requires_grad_(t.requires_grad()));
+  }
+  const auto now = RandomState::capture(devices_of(leaves));
+  variable_list outputs;
+  try {
+    replay.state.restore();
+    RecomputeScope scope;
+    torch::autograd::AutoGradMode grad_mode(true);
+    outputs = replay.fn(leaves);
+  } catch (...) {
+    now.restore();
+    throw;
+  }
+  now.restore();
+  return {std::move(leaves), std::move(outputs)};
 }
 
 struct Recompute : torch::autograd::Function<Recompute> {
@@ -141,27 +171,31 @@ struct Recompute : torch::autograd::Function<Recompute> {
     return outputs;
   }
 
+  // A plain backward asks for every input's gradient. The zero-bubble split asks in two calls:
+  // B for the inputs on the activation path only, then W (the same gradients, the edges towards
+  // the activations cut) for the rest. B then recomputes and runs the recomputed graph's B,
+  // keeping its weight work; W runs that work: one recomputation, each gradient computed once.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto replay =
-        c10::static_intrusive_pointer_cast<Replay>(ctx->saved_data["replay"].toCapsule());
-    variable_list inputs;
-    for (const auto& t : ctx->get_saved_variables()) {
-      inputs.push_back(t.detach().requires_grad_(t.requires_grad()));
+    auto& replay =
+        *c10::static_intrusive_pointer_cast<Replay>(ctx->saved_data["replay"].toCapsule());
+    const auto saved = ctx->get_saved_variables();
+    std::vector<bool> wanted(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      wanted[i] = saved[i].requires_grad() && ctx->needs_input_grad(i);
     }
-    // The forward again, from the streams it first started from; then the streams as they are
-    // now come back (other forwards may have drawn since).
-    const auto now = RandomState::capture(devices_of(inputs));
-    variable_list outputs;
-    try {
-      replay->state.restore();
-      RecomputeScope scope;
-      torch::autograd::AutoGradMode grad_mode(true);
-      outputs = replay->fn(inputs);
-    } catch (...) {
-      now.restore();
-      throw;
+    variable_list result(saved.size() + 1);  // result[0]: fn's
+    if (replay.weight_work) {                // W after B
+      pipeline::backward_weight(*replay.weight_work);
+      replay.weight_work.reset();
+      for (size_t i = 0; i < saved.size(); ++i) {
+        if (wanted[i]) {
+          result[i + 1] = replay.weight_leaves[i].grad();
+        }
+      }
+      replay.weight_leaves.clear();
+      return result;
     }
-    now.restore();
+    auto [leaves, outputs] = run_again(replay, saved);
     variable_list roots, root_grads;
     for (size_t i = 0; i < outputs.size(); ++i) {
       if (outputs[i].requires_grad() && grads[i].defined()) {
@@ -169,19 +203,65 @@ struct Recompute : torch::autograd::Function<Recompute> {
         root_grads.push_back(grads[i]);
       }
     }
-    if (!roots.empty()) {
-      torch::autograd::AutoGradMode grad_mode(true);
-      torch::autograd::backward(roots, root_grads);
+    if (roots.empty()) {
+      return result;
     }
-    variable_list result{at::Tensor()};  // fn's
-    for (const auto& input : inputs) {
-      result.push_back(input.requires_grad() ? input.grad() : at::Tensor());
+    variable_list now, later;
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (saved[i].requires_grad()) {
+        (wanted[i] ? now : later).push_back(leaves[i]);
+      }
+    }
+    torch::autograd::AutoGradMode grad_mode(true);
+    if (later.empty()) {
+      torch::autograd::backward(roots, root_grads);
+    } else {
+      pipeline::WeightWork work;
+      const auto input_grads = pipeline::backward_input(roots, root_grads, now, later, work);
+      for (size_t i = 0, j = 0; i < saved.size(); ++i) {
+        if (wanted[i]) {
+          leaves[i].mutable_grad() = input_grads[j++];
+        }
+      }
+      replay.weight_work = std::move(work);
+      replay.weight_leaves = leaves;
+    }
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (wanted[i]) {
+        result[i + 1] = leaves[i].grad();
+      }
     }
     return result;
   }
 };
 
+std::mutex traced_mutex;
+TracedRecompute traced_recompute;
+
+// Whether the inputs are being traced rather than computed: torch.compile's fake and functional
+// tensors are Python tensors, and its tracers the fake, proxy and functional modes. (Other
+// dispatch modes, a memory counter say, see real tensors computed.)
+bool traced(const variable_list& inputs) {
+  using c10::impl::TorchDispatchModeKey;
+  using c10::impl::TorchDispatchModeTLS;
+  for (const auto key : {TorchDispatchModeKey::FAKE,
+                         TorchDispatchModeKey::PROXY,
+                         TorchDispatchModeKey::FUNCTIONAL}) {
+    if (TorchDispatchModeTLS::get_mode(key).has_value()) {
+      return true;
+    }
+  }
+  return std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) {
+    return t.defined() && t.key_set().has(c10::DispatchKey::Python);
+  });
+}
+
 }  // namespace
+
+void set_traced_recompute(TracedRecompute traced) {
+  std::lock_guard<std::mutex> lock(traced_mutex);
+  traced_recompute = std::move(traced);
+}
 
 std::vector<at::Tensor> recompute(const RecomputeFunction& fn,
                                   const std::vector<at::Tensor>& inputs) {
@@ -196,6 +276,18 @@ std::vector<at::Tensor> recompute(const RecomputeFunction& fn,
     TORCH_WARN_ONCE(
         "torch_mp::recompute: no input requires grad, so the function runs without "
         "recomputation (its activations are kept)");
+    return fn(inputs);
+  }
+  if (traced(inputs)) {
+    TracedRecompute form;
+    {
+      std::lock_guard<std::mutex> lock(traced_mutex);
+      form = traced_recompute;
+    }
+    if (form) {
+      return form(fn, inputs);
+    }
+    RecomputeScope scope;
     return fn(inputs);
   }
   return Recompute::apply(fn, at::TensorList(inputs));

@@ -61,11 +61,27 @@ void set_checkpoint_hooks_probe(std::function<bool()> probe);
 using RecomputeFunction = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
 /// Runs fn(inputs) without keeping its activations; the backward runs it again, with every random
-/// stream as it was (RandomState), and differentiates that (reentrant: the parameters fn uses get
-/// their gradients accumulated inside the backward of this node). Outputs equal fn's, and so do
+/// stream as it was (RandomState), and differentiates that (reentrant: the gradients of fn's
+/// inputs, parameters passed as inputs included, leave this node). Outputs equal fn's, and so do
 /// all gradients, dropout in tensor-parallel regions included. fn must take and return tensors
 /// only, and read nothing else that changes between the forward and the backward.
+///
+/// Under the zero-bubble split (pipeline/split_backward.h) B asks for the activation path's
+/// gradients only: the node recomputes once, runs the recomputed graph's B and keeps its weight
+/// work, which W then runs. A backward that asks for some inputs' gradients only keeps that work
+/// (and the recomputed graph) until the node is freed.
+///
+/// Traced (torch.compile: inputs with the Python dispatch key, or a fake, proxy or functional
+/// mode set), the streams cannot be replayed eagerly: recompute hands fn to the traced form the
+/// Python bindings install (torch.utils.checkpoint, under which the per-rank stream's noise is
+/// saved rather than recomputed, torch_mp/recompute.py), or, with none installed, just runs it.
 std::vector<at::Tensor> recompute(const RecomputeFunction& fn,
                                   const std::vector<at::Tensor>& inputs);
+
+/// The traced form of recompute (see there): called with fn, which it must run inside a
+/// RecomputeScope (tracker draws are allowed), and the inputs.
+using TracedRecompute = std::function<std::vector<at::Tensor>(const RecomputeFunction& fn,
+                                                              const std::vector<at::Tensor>&)>;
+void set_traced_recompute(TracedRecompute traced);
 
 }  // namespace torch_mp

@@ -230,7 +230,8 @@ struct GptStageImpl : torch::nn::Module {
                bool first,
                bool last,
                bool sequence_parallel,
-               torch_mp::GroupPtr group)
+               torch_mp::GroupPtr group,
+               const std::string& recompute = "")
       : first(first),
         last(last),
         sequence_parallel(sequence_parallel),
@@ -248,7 +249,7 @@ struct GptStageImpl : torch::nn::Module {
     layers = register_module("layers", torch::nn::ModuleList());
     for (int64_t i = first_layer; i < first_layer + count; ++i) {
       layers->push_back(tp::ParallelTransformerLayerImpl::from_dense(
-          dense->layer(i), this->group, sequence_parallel));
+          dense->layer(i), this->group, sequence_parallel, recompute));
     }
     if (last) {
       norm = register_module("norm", torch_mp::dense::LayerNorm(dense->norm->options));

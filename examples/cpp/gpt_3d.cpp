@@ -26,6 +26,8 @@
 // gradient's root mean square, so elements inherit their gradient's relative error).
 //
 // --zero shards AdamW's state over the data ranks (torch_mp::DistributedOptimizer, ZeRO-1).
+// --recompute full|selective recomputes each layer (or its attention core) in the backward, with
+// the same dropout masks (ParallelTransformerLayerOptions::recompute).
 //
 // Checkpoints (torch_mp::checkpoint, the format Python's torch_mp.checkpoint reads and writes):
 // --save-every N saves the model and AdamW state to --checkpoint DIR every N steps, in the dense
@@ -60,6 +62,7 @@ struct Args {
   std::string schedule = "1f1b";
   bool sequence_parallel = false;
   bool zero = false;
+  std::string recompute;
   bool check = false;
   bool resume = false;
   int steps = 70;
@@ -119,6 +122,8 @@ Args parse(int argc, char** argv) {
       a.steps = std::stoi(argv[++i]);
     } else if (i + 1 < argc && flag == "--schedule") {
       a.schedule = argv[++i];
+    } else if (i + 1 < argc && flag == "--recompute") {
+      a.recompute = argv[++i];
     } else {
       throw std::invalid_argument("gpt_3d: unknown or incomplete argument " + flag);
     }
@@ -284,7 +289,8 @@ int run(int argc, char** argv) {
                      stage == 0,
                      stage == a.pp - 1,
                      a.sequence_parallel,
-                     mesh->tp_group);
+                     mesh->tp_group,
+                     a.recompute);
   torch_mp::DataParallel wrapped(mine, torch_mp::DataParallelOptions().group(mesh->dp_group));
   torch_mp::pipeline::Pipeline pipe(
       {torch_mp::pipeline::stage_of(wrapped)},
@@ -321,7 +327,7 @@ int run(int argc, char** argv) {
   if (is_rank0) {
     std::printf(
         "gpt_3d: %lld layers of hidden size %lld, vocabulary %lld: tp=%lld x pp=%lld x "
-        "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel%s\n",
+        "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s\n",
         static_cast<long long>(a.layers),
         static_cast<long long>(a.hidden),
         static_cast<long long>(config.vocab),
@@ -330,7 +336,9 @@ int run(int argc, char** argv) {
         static_cast<long long>(mesh->dp_size()),
         a.schedule.c_str(),
         a.sequence_parallel ? "on" : "off",
-        a.zero ? ", AdamW sharded over the data ranks" : "");
+        a.zero ? ", AdamW sharded over the data ranks" : "",
+        a.recompute.empty() ? "" : ", recompute ",
+        a.recompute.c_str());
   }
   // Saved and loaded under DenseGpt's names.
   const std::vector<torch_mp::checkpoint::Stage> stages{{mine.ptr(), mine->dense_names()}};

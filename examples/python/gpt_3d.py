@@ -19,6 +19,9 @@ package) with AdamW (warm-up, then cosine decay) and gradient clipping
   wrapped in ``torch_mp.DataParallel`` (or, with ``--ddp``, PyTorch's DistributedDataParallel)
   and the gradients are averaged once per step. ``--zero`` shards AdamW's state over the data
   ranks (``torch_mp.DistributedOptimizer``, ZeRO-1).
+- Activation recomputation (``--recompute full|selective``): each layer keeps only its input
+  and runs again in the backward, or recomputes its attention core only, with the same dropout
+  masks: the same gradients, less activation memory.
 
 - Checkpoints (``--save-every N --checkpoint DIR``, ``--resume``): model and AdamW state in the
   dense model's names (torch_mp.checkpoint), so a run saved at one layout resumes at another.
@@ -80,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dp", type=int, default=None, help="default: world / (tp * pp)")
     parser.add_argument("--schedule", default="1f1b", choices=pipeline.schedule_names())
     parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument(
+        "--recompute",
+        choices=["full", "selective"],
+        default=None,
+        help="recompute each layer (full) or its attention core (selective) in the backward",
+    )
     parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel stages")
     parser.add_argument(
         "--zero", action="store_true", help="shard AdamW's state over the data ranks (ZeRO-1)"
@@ -133,6 +142,7 @@ def options_of(args: argparse.Namespace) -> TrainingOptions:
         schedule=args.schedule,
         microbatches=args.microbatches,
         sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute,
         ddp=args.ddp,
         zero=args.zero,
         lr=args.lr,
@@ -204,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             f"tp={mesh.tp_size} x pp={mesh.pp_size} x dp={mesh.dp_size} ranks, schedule "
             f"{args.schedule}, sequence parallel {'on' if args.sequence_parallel else 'off'}, "
             f"{'DistributedDataParallel' if args.ddp else 'torch_mp.DataParallel'}"
-            f"{', AdamW sharded over the data ranks' if args.zero else ''}",
+            f"{', AdamW sharded over the data ranks' if args.zero else ''}"
+            f"{f', recompute {args.recompute}' if args.recompute else ''}",
             flush=True,
         )
     global_batch = args.batch * mesh.dp_size

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tensor_checks.h"
+#include "torch_mp/pipeline/split_backward.h"
 #include "torch_mp/tensor_parallel/random.h"
 
 namespace torch_mp {
@@ -59,6 +60,40 @@ TEST(Recompute, EqualsTheRunWithoutRecomputationBitForBit) {
   EXPECT_TRUE(at::equal(plain.drawn_before_backward, recomputed.drawn_before_backward));
   EXPECT_TRUE(at::equal(plain.drawn_after_backward, recomputed.drawn_after_backward))
       << "after the backward, both streams are where they would be without recomputation";
+}
+
+TEST(Recompute, UnderTheZeroBubbleSplitItRecomputesOnceAndGivesEachGradientOnce) {
+  // B asks for the input's gradient only: the node recomputes and runs the recomputed graph's
+  // B, keeping its weight work; W runs that work, with no second recomputation.
+  const auto run_split = [](bool recomputed, int& runs) {
+    at::manual_seed(3);
+    rng_tracker().reset();
+    rng_tracker().add(kModelParallelRng, 11);
+    const auto x = at::randn({5, 4}).requires_grad_();
+    const auto w = at::randn({4, 6}).requires_grad_();
+    const RecomputeFunction counted = [&](const std::vector<at::Tensor>& in) {
+      ++runs;
+      return region(in);
+    };
+    const auto y = recomputed ? recompute(counted, {x, w})[0] : counted({x, w})[0];
+    pipeline::WeightWork work;
+    const auto dy = at::ones_like(y);
+    const auto dx = pipeline::backward_input({y}, {dy}, {x}, {w}, work)[0];
+    const int after_b = runs;
+    EXPECT_FALSE(w.grad().defined()) << "B computes no weight gradient";
+    pipeline::backward_weight(work);
+    EXPECT_EQ(runs, after_b) << "W recomputes nothing";
+    rng_tracker().reset();
+    return std::vector<at::Tensor>{y.detach(), dx, w.grad()};
+  };
+  int plain_runs = 0;
+  int recomputed_runs = 0;
+  const auto plain = run_split(false, plain_runs);
+  const auto recomputed = run_split(true, recomputed_runs);
+  EXPECT_EQ(recomputed_runs, 2) << "the forward, and one recomputation";
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_TRUE(at::equal(plain[i], recomputed[i])) << i;
+  }
 }
 
 TEST(Recompute, WithoutGradModeItJustRuns) {

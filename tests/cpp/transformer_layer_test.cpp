@@ -10,10 +10,13 @@
 
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "tensor_checks.h"
 #include "tensor_parallel_fixture.h"
 #include "thread_world.h"
+#include "torch_mp/pipeline/split_backward.h"
+#include "torch_mp/tensor_parallel/random.h"
 
 namespace torch_mp {
 namespace {
@@ -139,6 +142,110 @@ TEST_P(TensorParallelOnSeveralRanks, TransformerLayerRaisesWhenHeadsAreNotDivisi
         ParallelTransformerLayerImpl::from_dense(dense, mesh.tp_group);
       },
       "num_heads (3) must be divisible");
+}
+
+// ---- recomputation ----------------------------------------------------------------------------
+
+struct RecomputeCase {
+  std::string recompute;  // "", "full" or "selective"
+  bool split = false;     // the zero-bubble split: B, then W
+  double dropout = 0.0;
+  bool sequence_parallel = false;
+};
+
+// One forward and backward of a pre-LN layer (causal) drawn from fixed seeds: the output, the
+// input gradient and every parameter's gradient.
+std::vector<at::Tensor> layer_step(const Mesh& mesh, const RecomputeCase& c) {
+  at::manual_seed(5);
+  tensor_parallel::rng_tracker().reset();
+  tensor_parallel::rng_tracker().add(tensor_parallel::kModelParallelRng, 11);
+  auto dense = seeded_pre_ln_layer();
+  dense->options.dropout(c.dropout);
+  auto layer = ParallelTransformerLayerImpl::from_dense(
+      dense, mesh.tp_group, c.sequence_parallel, c.recompute);
+  auto rows = [&](const at::Tensor& full) {
+    return c.sequence_parallel ? chunk_of(full, 0, mesh) : full;
+  };
+  const auto x =
+      rows(at::randn({kSeq, 2, kModel}, seeded_generator(72))).clone().requires_grad_(true);
+  const auto upstream = rows(at::randn({kSeq, 2, kModel}, seeded_generator(73)));
+  const at::Tensor y = layer->forward(x, at::Tensor(), /*is_causal=*/true);
+  std::vector<at::Tensor> out{y.detach()};
+  if (c.split) {
+    pipeline::WeightWork work;
+    out.push_back(pipeline::backward_input({y}, {upstream}, {x}, layer->parameters(), work)[0]);
+    pipeline::backward_weight(work);
+  } else {
+    y.backward(upstream);
+    out.push_back(x.grad());
+  }
+  for (const auto& p : layer->parameters()) {
+    out.push_back(p.grad());
+  }
+  tensor_parallel::rng_tracker().reset();
+  return out;
+}
+
+void expect_same_steps(const Mesh& mesh, const RecomputeCase& c) {
+  auto kept = c;
+  kept.recompute = "";
+  const auto expected = layer_step(mesh, kept);
+  const auto actual = layer_step(mesh, c);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i) {
+    ASSERT_TRUE(actual[i].defined()) << i;
+    EXPECT_TRUE(at::equal(actual[i], expected[i]))
+        << "recompute \"" << c.recompute << "\"" << (c.split ? ", split" : "") << ", dropout "
+        << c.dropout << ", tensor " << i << ", rank " << mesh.rank;
+  }
+}
+
+TEST_P(TensorParallel, RecomputedLayerEqualsTheLayerThatKeepsItsActivations) {
+  // Without dropout on several ranks (threads share the generators): recomputation with the
+  // tensor group's collectives inside it, under a whole backward and the zero-bubble split.
+  on_every_rank(world(), [](const Mesh& mesh) {
+    for (const std::string recompute : {"full", "selective"}) {
+      for (const bool split : {false, true}) {
+        for (const bool sequence_parallel : {false, true}) {
+          expect_same_steps(mesh, {recompute, split, 0.0, sequence_parallel});
+        }
+      }
+    }
+  });
+}
+
+TEST(TransformerLayerRecompute, ReplaysTheDropoutMasksOfBothStreams) {
+  // One rank: dropout on whole tensors draws from the default generator, on sequence-parallel
+  // rows and attention probabilities from the tracker's per-rank stream.
+  on_every_rank(1, [](const Mesh& mesh) {
+    for (const std::string recompute : {"full", "selective"}) {
+      for (const bool split : {false, true}) {
+        for (const bool sequence_parallel : {false, true}) {
+          expect_same_steps(mesh, {recompute, split, 0.3, sequence_parallel});
+        }
+      }
+    }
+    // The dropout was on: the output differs from the one without it.
+    EXPECT_FALSE(at::equal(layer_step(mesh, {"", false, 0.3, false})[0],
+                           layer_step(mesh, {"", false, 0.0, false})[0]));
+  });
+}
+
+TEST_P(TensorParallelOnSeveralRanks, TransformerLayerRefusesAnUnknownOrDisagreeingRecompute) {
+  expect_every_rank_raises(
+      world(),
+      [](const Mesh& mesh) {
+        ParallelTransformerLayerImpl::from_dense(
+            seeded_pre_ln_layer(), mesh.tp_group, false, "everything");
+      },
+      "recompute must be");
+  expect_every_rank_raises(
+      world(),
+      [](const Mesh& mesh) {
+        ParallelTransformerLayerImpl::from_dense(
+            seeded_pre_ln_layer(), mesh.tp_group, false, mesh.rank == 0 ? "full" : "");
+      },
+      "recompute]");
 }
 
 }  // namespace

@@ -4,7 +4,8 @@ training), the convolutional block and channel-parallel convolutions (padding mo
 and the vocabulary-parallel loss trace into one graph (torch._dynamo.explain: no graph break)
 through the core's operators (torch.ops.torch_mp.*, the same ones eager code runs), and equal
 eager: outputs and gradients, rtol 1e-5 (the compiled graph may fuse and reorder elementwise
-work). The core's checks that read values (ids, targets) hold in compiled code too."""
+work), recomputation (the layer's option, torch.utils.checkpoint) with dropout included. The
+core's checks that read values (ids, targets) hold in compiled code too."""
 
 from __future__ import annotations
 
@@ -31,9 +32,18 @@ def _no_graph_break(fn, *args) -> None:
     assert explanation.graph_count == 1
 
 
-def _compiled_equals_eager(module: nn.Module, loss_of, *inputs, seed: int | None = None) -> None:
-    """With ``seed``, both runs start from ``torch_mp.random.manual_seed(seed)`` (dropout)."""
-    eager, compiled_module = module, copy.deepcopy(module)
+def _compiled_equals_eager(
+    module: nn.Module,
+    loss_of,
+    *inputs,
+    seed: int | None = None,
+    compiled_module: nn.Module | None = None,
+) -> None:
+    """With ``seed``, both runs start from ``torch_mp.random.manual_seed(seed)`` (dropout). The
+    compiled module is a copy of ``module``, or ``compiled_module`` (the same parameters)."""
+    eager = module
+    if compiled_module is None:
+        compiled_module = copy.deepcopy(module)
     compiled = torch.compile(compiled_module, fullgraph=True, backend="aot_eager")
     grads = []
     for model in (eager, compiled):
@@ -128,6 +138,55 @@ def _transformer_layer_mask_and_dropout(tp: int, sequence_parallel: bool) -> Non
         compiled(x)
 
 
+class _Checkpointed(nn.Module):
+    """``inner`` under torch.utils.checkpoint (non-reentrant), causal."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(
+            lambda x: self.inner(x, is_causal=True), x, use_reentrant=False
+        )
+
+
+def _transformer_layer_recompute(tp: int, sequence_parallel: bool) -> None:
+    """With dropout from both streams, the layer's recompute options compile (the core's
+    recomputation becomes a checkpointed region of the traced graph) and so does
+    torch.utils.checkpoint around the layer; each equals the eager layer that keeps its
+    activations, gradients included: the compiled backward recomputes all but the per-rank
+    stream's noise, which it saves."""
+    use_mesh(tp)
+    torch.manual_seed(4)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.25)
+    kept = torch_mp.ParallelTransformerLayer.from_dense(layer, sequence_parallel=sequence_parallel)
+    x = torch.randn(8, 2, 16)
+    if sequence_parallel:
+        x = x.chunk(tp)[dist.get_rank()].contiguous()
+
+    class Causal(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x, is_causal=True)
+
+    for recompute in ("full", "selective"):
+        recomputed = torch_mp.ParallelTransformerLayer.from_dense(
+            layer, sequence_parallel=sequence_parallel, recompute=recompute
+        )
+        _no_graph_break(lambda x, m=recomputed: m(x, is_causal=True), x)
+        _compiled_equals_eager(
+            Causal(kept), lambda y: y.square().sum(), x, seed=5, compiled_module=Causal(recomputed)
+        )
+    checkpointed = _Checkpointed(copy.deepcopy(kept))
+    _compiled_equals_eager(
+        Causal(kept), lambda y: y.square().sum(), x, seed=5, compiled_module=checkpointed
+    )
+
+
 def _checks_hold_compiled(tp: int) -> None:
     """Out-of-range ids and targets raise in compiled code as in eager (the operators' kernels
     see the values)."""
@@ -220,6 +279,13 @@ def test_vocab_parallel_loss_compiles_whole_and_equals_eager(tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_transformer_layer_with_masks_and_dropout_compiles_and_equals_eager(tp, sequence_parallel):
     get_world(tp).run(_transformer_layer_mask_and_dropout, tp, sequence_parallel)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_recomputed_transformer_layer_compiles_and_equals_eager_without_recompute(
+    world2, sequence_parallel
+):
+    world2.run(_transformer_layer_recompute, 2, sequence_parallel)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

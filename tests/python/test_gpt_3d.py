@@ -1,6 +1,7 @@
 """The GPT of torch_mp.models (examples/python/gpt_3d.py's) trained on tp x pp x dp ranks
 equals the same model trained on one process: for 5 AdamW steps with clipping, every schedule,
-sequence parallelism on and off, DistributedDataParallel and torch_mp.DataParallel stages.
+sequence parallelism on and off, DistributedDataParallel and torch_mp.DataParallel stages, the
+distributed optimizer and the layers' activation recomputation.
 
 Tolerances (fp32): the first step's clipped gradients and every step's loss at rtol 1e-5 /
 atol 1e-6 (sums taken in another order); parameters after 5 AdamW steps at atol 1e-4, because
@@ -50,10 +51,21 @@ def _gradients(trainer: Trainer3D) -> dict[str, torch.Tensor]:
 
 
 def _train_3d(
-    tp: int, pp: int, schedule: str, sequence_parallel: bool, ddp: bool, zero: bool = False
+    tp: int,
+    pp: int,
+    schedule: str,
+    sequence_parallel: bool,
+    ddp: bool,
+    zero: bool = False,
+    recompute: str | None = None,
 ) -> None:
     options = TrainingOptions(
-        schedule=schedule, microbatches=2, sequence_parallel=sequence_parallel, ddp=ddp, zero=zero
+        schedule=schedule,
+        microbatches=2,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        ddp=ddp,
+        zero=zero,
     )
     mesh = use_mesh(tp, pp)
     corpus = Corpus()
@@ -91,6 +103,18 @@ def test_gpt_2x2x2_with_the_distributed_optimizer_equals_one_process(world8):
     # (The optimizer steps after the pipeline, whatever its schedule; sharded gradients under
     # each schedule: test_distributed_optimizer.py.)
     world8.run(_train_3d, 2, 2, "1f1b", False, False, True)
+
+
+@pytest.mark.parametrize(
+    "schedule, recompute, sequence_parallel",
+    [("zb_h1", "full", False), ("1f1b", "selective", True)],
+    ids=["zb_h1-full", "1f1b-selective-sp"],
+)
+def test_gpt_2x2x2_with_recomputation_equals_one_process(
+    schedule, recompute, sequence_parallel, world8
+):
+    # Under zb_h1 each layer recomputes once, in B, and W runs the recomputed graph's weight work.
+    world8.run(_train_3d, 2, 2, schedule, sequence_parallel, False, False, recompute)
 
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["DataParallel", "DDP"])

@@ -19,20 +19,28 @@ SEQ, BATCH, HIDDEN, HEADS, FFN = 8, 2, 16, 4, 32
 def _steps(how: str, dropout: float = 0.3, sequence_parallel: bool = False) -> list:
     """Two forward-backward steps of two ParallelTransformerLayers (tensor parallel over every
     rank) with ``how`` = "plain" (no recomputation), "recompute" (torch_mp.recompute around each
-    layer), "checkpoint" / "reentrant" (torch.utils.checkpoint, non-reentrant / reentrant);
-    returns the outputs, the input and parameter gradients, and a draw from each stream after."""
+    layer), "full" / "selective" (the layers' recompute option), "checkpoint" / "reentrant"
+    (torch.utils.checkpoint, non-reentrant / reentrant); returns the outputs, the input and
+    parameter gradients, and a draw from each stream after."""
     mesh = use_mesh(dist.get_world_size())
     t, r = mesh.tp_size, mesh.tp_rank
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(
         torch_mp.ParallelTransformerLayer(
-            HIDDEN, HEADS, FFN, dropout=dropout, sequence_parallel=sequence_parallel
+            HIDDEN,
+            HEADS,
+            FFN,
+            dropout=dropout,
+            sequence_parallel=sequence_parallel,
+            recompute=how if how in ("full", "selective") else None,
         )
         for _ in range(2)
     )
     torch_mp.random.manual_seed(1234)
     wrap = {
         "plain": lambda layer, x: layer(x),
+        "full": lambda layer, x: layer(x),
+        "selective": lambda layer, x: layer(x),
         "recompute": lambda layer, x: torch_mp.recompute(layer, x),
         "checkpoint": lambda layer, x: torch.utils.checkpoint.checkpoint(
             layer, x, use_reentrant=False
@@ -59,9 +67,9 @@ def _steps(how: str, dropout: float = 0.3, sequence_parallel: bool = False) -> l
     return results
 
 
-def _recompute_equals_plain(sequence_parallel: bool) -> None:
+def _recompute_equals_plain(how: str, sequence_parallel: bool) -> None:
     plain = _steps("plain", sequence_parallel=sequence_parallel)
-    recomputed = _steps("recompute", sequence_parallel=sequence_parallel)
+    recomputed = _steps(how, sequence_parallel=sequence_parallel)
     assert len(plain) == len(recomputed)
     for i, (a, b) in enumerate(zip(plain, recomputed, strict=True)):
         assert torch.equal(a, b), (dist.get_rank(), i, (a - b).abs().max())
@@ -70,8 +78,10 @@ def _recompute_equals_plain(sequence_parallel: bool) -> None:
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
-def test_recompute_with_dropout_equals_no_recompute_bit_for_bit(world, sequence_parallel):
-    world.run(_recompute_equals_plain, sequence_parallel)
+@pytest.mark.parametrize("how", ["recompute", "full", "selective"])
+def test_recompute_with_dropout_equals_no_recompute_bit_for_bit(world, how, sequence_parallel):
+    # torch_mp.recompute around each layer, and the layer's own recompute option.
+    world.run(_recompute_equals_plain, how, sequence_parallel)
 
 
 def _torch_checkpoint_is_refused(how: str) -> str | None:
@@ -114,12 +124,16 @@ def test_other_saved_tensor_hooks_are_not_refused(world2):
 
 class _Stage(torch.nn.Module):
     """A pipeline stage of one ParallelTransformerLayer with dropout, on [b, s, h] micro-batches
-    (the pipeline splits dim 0), recomputed or not."""
+    (the pipeline splits dim 0): ``how`` "plain", "recompute" (torch_mp.recompute around it) or
+    the layer's recompute option ("full", "selective")."""
 
-    def __init__(self, recomputed: bool) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
-        self.layer = torch_mp.ParallelTransformerLayer(HIDDEN, HEADS, FFN, dropout=0.3)
-        self.recomputed = recomputed
+        option = how if how in ("full", "selective") else None
+        self.layer = torch_mp.ParallelTransformerLayer(
+            HIDDEN, HEADS, FFN, dropout=0.3, recompute=option
+        )
+        self.recomputed = how == "recompute"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.transpose(0, 1)
@@ -127,10 +141,10 @@ class _Stage(torch.nn.Module):
         return y.transpose(0, 1)
 
 
-def _pipeline_steps(schedule: str, recomputed: bool) -> list:
+def _pipeline_steps(schedule: str, how: str) -> list:
     mesh = use_mesh(2, 2)
     torch.manual_seed(0)
-    stages = [_Stage(recomputed) for _ in range(2)]
+    stages = [_Stage(how) for _ in range(2)]
     mine = stages[mesh.pp_rank]
     pipe = torch_mp.pipeline.Pipeline(
         mine, schedule, 4, loss_fn=torch.nn.functional.mse_loss, mesh=mesh
@@ -147,12 +161,16 @@ def _pipeline_steps(schedule: str, recomputed: bool) -> list:
     return results
 
 
-def _pipeline_recompute_equals_plain(schedule: str) -> None:
-    for a, b in zip(_pipeline_steps(schedule, False), _pipeline_steps(schedule, True), strict=True):
+def _pipeline_recompute_equals_plain(schedule: str, how: str) -> None:
+    plain = _pipeline_steps(schedule, "plain")
+    for a, b in zip(plain, _pipeline_steps(schedule, how), strict=True):
         assert torch.equal(a, b), (dist.get_rank(), (a - b).abs().max())
 
 
+@pytest.mark.parametrize("how", ["recompute", "full", "selective"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_recompute_in_pipeline_stages_equals_no_recompute(world4, schedule):
-    # tp 2 x pp 2; zb_h1 splits each backward into B and W, which recompute separately.
-    world4.run(_pipeline_recompute_equals_plain, schedule)
+def test_recompute_in_pipeline_stages_equals_no_recompute(world4, schedule, how):
+    # tp 2 x pp 2. zb_h1 splits each backward into B and W: torch_mp.recompute (torch's
+    # saved-tensor hooks) recomputes in each; the layer's option once, in B, keeping the
+    # recomputed graph's weight work for W.
+    world4.run(_pipeline_recompute_equals_plain, schedule, how)

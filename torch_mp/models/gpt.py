@@ -183,6 +183,7 @@ class GPTStage(nn.Module):
         first: bool,
         last: bool,
         sequence_parallel: bool = False,
+        recompute: str | None = None,
     ) -> None:
         super().__init__()
         self.first, self.last, self.sequence_parallel = first, last, sequence_parallel
@@ -193,7 +194,7 @@ class GPTStage(nn.Module):
             self.pos = copy.deepcopy(dense.pos)  # replicated on every rank
         self.layers = nn.ModuleList(
             torch_mp.ParallelTransformerLayer.from_dense(
-                dense.layers[i], sequence_parallel=sequence_parallel
+                dense.layers[i], sequence_parallel=sequence_parallel, recompute=recompute
             )
             for i in layers
         )
@@ -245,10 +246,15 @@ class GPTStage(nn.Module):
 
 
 def build_stages(
-    dense: DenseGPT, mesh: torch_mp.Mesh, stages_per_rank: int = 1, sequence_parallel: bool = False
+    dense: DenseGPT,
+    mesh: torch_mp.Mesh,
+    stages_per_rank: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str | None = None,
 ) -> list[GPTStage]:
     """This rank's stages (``mesh.pp_rank``, ``+ pp``, ...) of ``dense`` cut into
-    ``pp * stages_per_rank`` stages of equal numbers of layers."""
+    ``pp * stages_per_rank`` stages of equal numbers of layers; ``recompute`` the layers'
+    activation recomputation (None, ``"full"`` or ``"selective"``)."""
     num_stages = mesh.pp_size * stages_per_rank
     layers = len(dense.layers)
     if layers % num_stages:
@@ -261,6 +267,7 @@ def build_stages(
             first=s == 0,
             last=s == num_stages - 1,
             sequence_parallel=sequence_parallel,
+            recompute=recompute,
         )
         for s in range(mesh.pp_rank, num_stages, mesh.pp_size)
     ]

@@ -22,6 +22,7 @@ __all__ = ["DenseTrainer", "Trainer3D", "TrainingOptions", "differences", "learn
 @dataclass(frozen=True)
 class TrainingOptions:
     """How the GPT is trained: the pipeline schedule and micro-batches, sequence parallelism,
+    the layers' activation recomputation (``recompute``: None, ``"full"`` or ``"selective"``),
     DistributedDataParallel (``ddp``) or torch_mp.DataParallel stages, AdamW's state sharded
     over the data ranks (``zero``: torch_mp.DistributedOptimizer) or not, its learning rate (its
     schedule: :func:`learning_rate`) and weight decay, and the gradient norm clipped to."""
@@ -29,6 +30,7 @@ class TrainingOptions:
     schedule: str = "1f1b"
     microbatches: int = 4
     sequence_parallel: bool = False
+    recompute: str | None = None
     ddp: bool = False
     zero: bool = False
     lr: float = 3e-3
@@ -64,7 +66,9 @@ class Trainer3D:
     def __init__(self, dense: DenseGPT, mesh: torch_mp.Mesh, options: TrainingOptions) -> None:
         self.mesh, self.options = mesh, options
         stages_per_rank = 2 if options.schedule == "interleaved_1f1b" else 1
-        self.stages = build_stages(dense, mesh, stages_per_rank, options.sequence_parallel)
+        self.stages = build_stages(
+            dense, mesh, stages_per_rank, options.sequence_parallel, options.recompute
+        )
         if options.ddp:
             wrapped = [DistributedDataParallel(s, process_group=mesh.dp_group) for s in self.stages]
         else:

@@ -39,6 +39,9 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
             :mod:`torch_mp.random` when seeded there).
         sequence_parallel: Input and output split along the sequence dim 0.
         group: The tensor-parallel group; the default mesh's when None.
+        recompute_core: Keep only the Q/K/V projection's output for the backward and recompute
+            the attention core from it (scores, softmax, dropout with the same masks, the
+            product with V): Megatron's selective recomputation.
         device, dtype: Where and in what type to create the parameters.
     """
 
@@ -51,11 +54,13 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         sequence_parallel: bool = False,
         group: dist.ProcessGroup | None = None,
         *,
+        recompute_core: bool = False,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         self.group = tp_group(group)
+        self.recompute_core = recompute_core
         self.tp_size = dist.get_world_size(self.group)
         _C.check_parallel_self_attention(
             hidden_size, num_heads, bias, dropout, sequence_parallel, self.group.group_name
@@ -121,6 +126,7 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
             self.sequence_parallel,
             self.training,
             self.group.group_name,
+            self.recompute_core,
         )
 
     @classmethod

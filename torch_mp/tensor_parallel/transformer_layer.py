@@ -32,11 +32,19 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             ``nn.TransformerEncoderLayer`` (activation ``"relu"`` or ``"gelu"``).
         sequence_parallel: Input and output split along the sequence dim 0.
         group: The tensor-parallel group; the default mesh's when None.
+        recompute: Activation recomputation. None keeps every activation for the backward;
+            ``"full"`` keeps the layer's input only and runs the whole layer again in the
+            backward; ``"selective"`` recomputes the attention core only (scores, softmax,
+            dropout and the product with V, the activations that grow with ``s**2``; Megatron's
+            ``--recompute-granularity selective``). Both replay the dropout masks (as
+            :func:`torch_mp.recompute`), so the gradients equal those without recomputation, and
+            both compose with the pipeline's schedules, the zero-bubble split included (one
+            recomputation per backward, each gradient computed once).
         device, dtype: Where and in what type to create the parameters.
 
     Raises:
         RuntimeError: If ``num_heads`` or ``ffn_hidden_size`` is not divisible by the group size,
-            or ranks disagree on the configuration.
+            ``recompute`` is none of the above, or ranks disagree on the configuration.
     """
 
     def __init__(
@@ -52,18 +60,22 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         sequence_parallel: bool = False,
         group: dist.ProcessGroup | None = None,
         *,
+        recompute: str | None = None,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         self.group = tp_group(group)
         # What the attention and MLP do not check themselves.
-        _C.check_parallel_transformer_layer(norm_first, layer_norm_eps, self.group.group_name)
+        _C.check_parallel_transformer_layer(
+            norm_first, layer_norm_eps, recompute or "", self.group.group_name
+        )
         self.norm_first, self.dropout, self.sequence_parallel = (
             norm_first,
             dropout,
             sequence_parallel,
         )
+        self.recompute = recompute
         self.activation = activation
         meta = {"group": self.group, "device": "meta"}
         norm_args = (hidden_size, layer_norm_eps, True, bias, sequence_parallel)
@@ -155,6 +167,7 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             self.sequence_parallel,
             self.training,
             self.group.group_name,
+            self.recompute or "",
         )
 
     @classmethod
@@ -163,10 +176,12 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         layer: nn.TransformerEncoderLayer,
         group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
+        recompute: str | None = None,
     ) -> ParallelTransformerLayer:
         """Shards an ``nn.TransformerEncoderLayer`` (device and dtype kept, no random draws).
 
-        The parallel layer takes ``[s, b, h]`` whatever the dense layer's ``batch_first``.
+        The parallel layer takes ``[s, b, h]`` whatever the dense layer's ``batch_first``;
+        ``recompute`` as in the constructor.
         """
         kinds = {1: "relu", 2: "gelu"}
         approximate = (
@@ -187,6 +202,7 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             bias=layer.linear1.bias is not None,
             sequence_parallel=sequence_parallel,
             group=group,
+            recompute=recompute,
             device="meta",
         )
         empty_like_dense(layer, parallel)

@@ -8,6 +8,7 @@
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/recompute.h"
 #include "torch_mp/tensor_parallel/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
@@ -42,7 +43,8 @@ at::Tensor attention_heads(const at::Tensor& qkv,
                            const GroupPtr& group,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
-                           double dropout_p) {
+                           double dropout_p,
+                           bool recompute_core) {
   const int64_t heads_local = num_heads / group->getSize();
   TORCH_CHECK(qkv.dim() == 3 && heads_local > 0 && qkv.size(2) % (3 * heads_local) == 0,
               "attention_heads: qkv must be [s, b, 3 * heads * head_dim], got ",
@@ -54,18 +56,14 @@ at::Tensor attention_heads(const at::Tensor& qkv,
   const c10::SymInt b = qkv.sym_size(1);
   const int64_t width = qkv.size(2) / 3;
   const int64_t head_dim = width / heads_local;
-  // [s, b, heads * d] -> [b, heads, s, d], the layout torch::nn::MultiheadAttention uses.
-  auto heads = [&](const at::Tensor& t) {
-    return t.reshape_symint({s, b, heads_local, head_dim}).permute({1, 2, 0, 3});
-  };
-  const auto parts = qkv.chunk(3, -1);
-  std::optional<at::Tensor> mask;
-  if (attn_mask && attn_mask->defined()) {
-    mask = *attn_mask;
+  const bool masked = attn_mask && attn_mask->defined();
+  bool per_head = false;
+  if (masked) {
+    const auto& m = *attn_mask;
     // The same shape test on every rank (a rank-dependent one would leave the others waiting).
-    const bool per_head = mask->dim() == 3 && mask->sym_size(0) == b * num_heads &&
-                          mask->sym_size(1) == s && mask->sym_size(2) == s;
-    TORCH_CHECK(per_head || (mask->dim() == 2 && mask->sym_size(0) == s && mask->sym_size(1) == s),
+    per_head =
+        m.dim() == 3 && m.sym_size(0) == b * num_heads && m.sym_size(1) == s && m.sym_size(2) == s;
+    TORCH_CHECK(per_head || (m.dim() == 2 && m.sym_size(0) == s && m.sym_size(1) == s),
                 "attention_heads: attn_mask must be [s, s] or [batch * num_heads, s, s] = [",
                 b * num_heads,
                 ", ",
@@ -73,22 +71,44 @@ at::Tensor attention_heads(const at::Tensor& qkv,
                 ", ",
                 s,
                 "], got ",
-                mask->sym_sizes());
-    if (per_head) {  // this rank's heads only
-      mask = mask->reshape_symint({b, num_heads, s, s})
-                 .narrow(1, group->getRank() * heads_local, heads_local);
-    }
-    if (mask->scalar_type() == at::kBool) {  // true = may not attend, as in MultiheadAttention
-      mask = at::zeros_symint(mask->sym_sizes(), qkv.options()).masked_fill(*mask, -kInfinity);
-    }
+                m.sym_sizes());
+    TORCH_CHECK(!recompute_core || !m.requires_grad(),
+                "attention_heads: the attention core cannot be recomputed over a mask that "
+                "requires grad (pass it detached, or do not recompute the core)");
   }
-  const bool causal = is_causal && !mask;
-  const auto q = heads(parts[0]);
-  const auto k = heads(parts[1]);
-  const auto v = heads(parts[2]);
-  const auto context = dropout_p > 0 ? attention_with_dropout(q, k, v, mask, causal, dropout_p)
-                                     : at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal);
-  return context.permute({2, 0, 1, 3}).reshape_symint({s, b, width});
+  const int64_t first_head = group->getRank() * heads_local;
+  const bool causal = is_causal && !masked;
+  // [s, b, 3 * heads * d] -> q, k, v [b, heads, s, d] (torch::nn::MultiheadAttention's layout)
+  // -> attention -> [s, b, heads * d]. The mask is made up inside, so that a recomputed core
+  // keeps only the mask it was given.
+  const auto core = [=](const std::vector<at::Tensor>& inputs) -> std::vector<at::Tensor> {
+    std::optional<at::Tensor> mask;
+    if (masked) {
+      mask = *attn_mask;
+      if (per_head) {  // this rank's heads only
+        mask = mask->reshape_symint({b, num_heads, s, s}).narrow(1, first_head, heads_local);
+      }
+      if (mask->scalar_type() == at::kBool) {  // true = may not attend, as MultiheadAttention
+        mask =
+            at::zeros_symint(mask->sym_sizes(), inputs[0].options()).masked_fill(*mask, -kInfinity);
+      }
+    }
+    const auto parts = inputs[0].chunk(3, -1);
+    const auto heads = [&](const at::Tensor& t) {
+      return t.reshape_symint({s, b, heads_local, head_dim}).permute({1, 2, 0, 3});
+    };
+    const auto q = heads(parts[0]);
+    const auto k = heads(parts[1]);
+    const auto v = heads(parts[2]);
+    const auto context = dropout_p > 0
+                             ? attention_with_dropout(q, k, v, mask, causal, dropout_p)
+                             : at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal);
+    return {context.permute({2, 0, 1, 3}).reshape_symint({s, b, width})};
+  };
+  if (!recompute_core) {
+    return core({qkv})[0];
+  }
+  return recompute(core, {qkv})[0];
 }
 
 void check_parallel_self_attention(int64_t hidden_size,
@@ -149,8 +169,13 @@ at::Tensor parallel_self_attention(const at::Tensor& x,
   TORCH_CHECK(group, "parallel_self_attention: options.group() is not set");
   const auto qkv = column_parallel_linear(
       x, p.qkv_weight, p.qkv_bias, 3 * o.hidden_size(), false, o.sequence_parallel(), group);
-  const auto context = attention_heads(
-      qkv, o.num_heads(), group, attn_mask, is_causal, training ? o.dropout() : 0.0);
+  const auto context = attention_heads(qkv,
+                                       o.num_heads(),
+                                       group,
+                                       attn_mask,
+                                       is_causal,
+                                       training ? o.dropout() : 0.0,
+                                       o.recompute_core());
   return row_parallel_linear(
       context, p.proj_weight, p.proj_bias, o.hidden_size(), true, o.sequence_parallel(), group);
 }
@@ -285,8 +310,10 @@ at::Tensor attention_heads_op(const at::Tensor& qkv,
                               const std::optional<at::Tensor>& attn_mask,
                               bool is_causal,
                               double dropout_p,
-                              c10::string_view group) {
-  return attention_heads(qkv, num_heads, group_named(group), attn_mask, is_causal, dropout_p);
+                              c10::string_view group,
+                              bool recompute_core) {
+  return attention_heads(
+      qkv, num_heads, group_named(group), attn_mask, is_causal, dropout_p, recompute_core);
 }
 
 at::Tensor parallel_self_attention_op(const at::Tensor& x,
@@ -300,11 +327,13 @@ at::Tensor parallel_self_attention_op(const at::Tensor& x,
                                       double dropout,
                                       bool sequence_parallel,
                                       bool training,
-                                      c10::string_view group) {
+                                      c10::string_view group,
+                                      bool recompute_core) {
   const auto options = ParallelSelfAttentionOptions(qkv_weight.size(1), num_heads)
                            .bias(qkv_bias.has_value())
                            .dropout(dropout)
                            .sequence_parallel(sequence_parallel)
+                           .recompute_core(recompute_core)
                            .group(group_named(group));
   return parallel_self_attention(
       x, {qkv_weight, qkv_bias, proj_weight, proj_bias}, options, attn_mask, is_causal, training);
@@ -315,12 +344,13 @@ at::Tensor parallel_self_attention_op(const at::Tensor& x,
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
   m.def(
       "attention_heads(Tensor qkv, int num_heads, Tensor? attn_mask, bool is_causal, "
-      "float dropout_p, str group) -> Tensor",
+      "float dropout_p, str group, bool recompute_core=False) -> Tensor",
       &attention_heads_op);
   m.def(
       "parallel_self_attention(Tensor x, Tensor qkv_weight, Tensor? qkv_bias, "
       "Tensor proj_weight, Tensor? proj_bias, Tensor? attn_mask, bool is_causal, int num_heads, "
-      "float dropout, bool sequence_parallel, bool training, str group) -> Tensor",
+      "float dropout, bool sequence_parallel, bool training, str group, "
+      "bool recompute_core=False) -> Tensor",
       &parallel_self_attention_op);
 }
 

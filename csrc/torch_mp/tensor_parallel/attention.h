@@ -37,13 +37,16 @@ using DenseNames = std::vector<std::pair<std::string, std::string>>;
 /// its own), bool (true = may not attend) or float (added). `is_causal` without a mask applies
 /// the causal mask. Dropout on the attention probabilities (`dropout_p` > 0) draws from the
 /// per-rank stream (region_dropout), computing the softmax explicitly; without it the fused
-/// scaled_dot_product_attention runs.
+/// scaled_dot_product_attention runs. With `recompute_core` the attention itself (scores,
+/// softmax, dropout, the product with V) keeps only `qkv` and is recomputed in the backward
+/// (torch_mp::recompute: the same dropout masks), Megatron's selective recomputation.
 at::Tensor attention_heads(const at::Tensor& qkv,
                            int64_t num_heads,
                            const GroupPtr& group,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
-                           double dropout_p);
+                           double dropout_p,
+                           bool recompute_core = false);
 
 /// Checks a self-attention's configuration: num_heads divides hidden_size, the group size
 /// divides num_heads, and the same configuration on every rank (floats by their bits).
@@ -78,6 +81,9 @@ struct ParallelSelfAttentionOptions {
   TORCH_ARG(double, dropout) = 0.0;
   /// Input and output split along the sequence dim (0).
   TORCH_ARG(bool, sequence_parallel) = false;
+  /// Recompute the attention core (scores, softmax, dropout, the product with V) in the
+  /// backward instead of keeping its activations (attention_heads).
+  TORCH_ARG(bool, recompute_core) = false;
   TORCH_ARG(GroupPtr, group) = {};
 };
 

@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <variant>
+#include <vector>
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/recompute.h"
 #include "torch_mp/tensor_parallel/layer_norm.h"
 #include "torch_mp/tensor_parallel/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
@@ -27,11 +30,20 @@ std::string activation_name(const torch::nn::activation_t& a) {
 
 void check_parallel_transformer_layer(bool norm_first,
                                       double layer_norm_eps,
+                                      const std::string& recompute,
                                       const GroupPtr& group) {
+  const std::vector<std::string> modes{"", "full", "selective"};
+  const auto mode = std::find(modes.begin(), modes.end(), recompute) - modes.begin();
+  // Agreed before it is refused: a rank that refused alone would leave the others waiting.
   comm::check_same_across_ranks(
-      {norm_first, comm::bits(layer_norm_eps)},
+      {norm_first, comm::bits(layer_norm_eps), mode},
       group,
-      "ParallelTransformerLayer configuration [norm_first, layer_norm_eps (bits)]");
+      "ParallelTransformerLayer configuration [norm_first, layer_norm_eps (bits), recompute]");
+  TORCH_CHECK(mode < static_cast<std::ptrdiff_t>(modes.size()),
+              "ParallelTransformerLayer: recompute must be none (\"\"), \"full\" or "
+              "\"selective\", got \"",
+              recompute,
+              "\"");
 }
 
 ParallelSelfAttentionOptions attention_options(const ParallelTransformerLayerOptions& o) {
@@ -39,6 +51,7 @@ ParallelSelfAttentionOptions attention_options(const ParallelTransformerLayerOpt
       .bias(o.bias())
       .dropout(o.dropout())
       .sequence_parallel(o.sequence_parallel())
+      .recompute_core(o.recompute() == "selective")
       .group(o.group());
 }
 
@@ -51,13 +64,14 @@ ParallelMLPOptions mlp_options(const ParallelTransformerLayerOptions& o) {
       .group(o.group());
 }
 
-at::Tensor parallel_transformer_layer(const at::Tensor& x,
-                                      const TransformerLayerParameters& p,
-                                      const ParallelTransformerLayerOptions& o,
-                                      const std::optional<at::Tensor>& attn_mask,
-                                      bool is_causal,
-                                      bool training) {
-  TORCH_CHECK(o.group(), "parallel_transformer_layer: options.group() is not set");
+namespace {
+
+at::Tensor layer_forward(const at::Tensor& x,
+                         const TransformerLayerParameters& p,
+                         const ParallelTransformerLayerOptions& o,
+                         const std::optional<at::Tensor>& attn_mask,
+                         bool is_causal,
+                         bool training) {
   const auto norm = [&](const at::Tensor& t,
                         const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias) {
@@ -86,6 +100,65 @@ at::Tensor parallel_transformer_layer(const at::Tensor& x,
   return norm(y + dropout(mlp(y)), p.norm2_weight, p.norm2_bias);
 }
 
+// Calls f on each parameter of `p` (an at::Tensor& or a std::optional<at::Tensor>&), in order.
+template <typename F>
+void for_each_parameter(TransformerLayerParameters& p, F&& f) {
+  f(p.norm1_weight);
+  f(p.norm1_bias);
+  f(p.attention.qkv_weight);
+  f(p.attention.qkv_bias);
+  f(p.attention.proj_weight);
+  f(p.attention.proj_bias);
+  f(p.norm2_weight);
+  f(p.norm2_bias);
+  f(p.mlp.fc1_weight);
+  f(p.mlp.fc1_bias);
+  f(p.mlp.fc2_weight);
+  f(p.mlp.fc2_bias);
+}
+
+bool present(const at::Tensor& t) { return t.defined(); }
+bool present(const std::optional<at::Tensor>& t) { return t && t->defined(); }
+const at::Tensor& value(const at::Tensor& t) { return t; }
+const at::Tensor& value(const std::optional<at::Tensor>& t) { return *t; }
+
+}  // namespace
+
+at::Tensor parallel_transformer_layer(const at::Tensor& x,
+                                      const TransformerLayerParameters& p,
+                                      const ParallelTransformerLayerOptions& o,
+                                      const std::optional<at::Tensor>& attn_mask,
+                                      bool is_causal,
+                                      bool training) {
+  TORCH_CHECK(o.group(), "parallel_transformer_layer: options.group() is not set");
+  if (o.recompute() != "full") {
+    return layer_forward(x, p, o, attn_mask, is_causal, training);
+  }
+  TORCH_CHECK(!attn_mask || !attn_mask->defined() || !attn_mask->requires_grad(),
+              "ParallelTransformerLayer: recompute=\"full\" cannot recompute over a mask that "
+              "requires grad (pass it detached)");
+  // The input and the parameters go in as recompute()'s inputs, so that their gradients, the
+  // parameters' too, leave its node (and the zero-bubble split finds them there).
+  std::vector<at::Tensor> inputs{x};
+  auto parameters = p;
+  for_each_parameter(parameters, [&](auto& t) {
+    if (present(t)) {
+      inputs.push_back(value(t));
+    }
+  });
+  const auto layer = [=](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+    auto q = parameters;
+    size_t next = 1;
+    for_each_parameter(q, [&](auto& t) {
+      if (present(t)) {
+        t = in[next++];
+      }
+    });
+    return {layer_forward(in[0], q, o, attn_mask, is_causal, training)};
+  };
+  return recompute(layer, inputs)[0];
+}
+
 // ---- ParallelTransformerLayer -----------------------------------------------------------------
 
 ParallelTransformerLayerImpl::ParallelTransformerLayerImpl(ParallelTransformerLayerOptions options_,
@@ -98,7 +171,7 @@ void ParallelTransformerLayerImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
   // What the attention and MLP do not check themselves.
-  check_parallel_transformer_layer(o.norm_first(), o.layer_norm_eps(), o.group());
+  check_parallel_transformer_layer(o.norm_first(), o.layer_norm_eps(), o.recompute(), o.group());
   const auto norm_options =
       dense::LayerNormOptions(o.hidden_size()).eps(o.layer_norm_eps()).bias(o.bias());
   norm1 = register_module("norm1", dense::LayerNorm(norm_options));
@@ -198,7 +271,10 @@ ParallelTransformerLayer ParallelTransformerLayerImpl::uninitialised(
 }
 
 ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
-    const dense::TransformerLayer& dense, GroupPtr group, bool sequence_parallel) {
+    const dense::TransformerLayer& dense,
+    GroupPtr group,
+    bool sequence_parallel,
+    std::string recompute) {
   const auto& d = dense->options;
   return shard_layer(
       ParallelTransformerLayerOptions(d.hidden_size(), d.num_heads(), d.ffn_hidden_size())
@@ -208,18 +284,23 @@ ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
           .norm_first(d.norm_first())
           .bias(d.bias())
           .sequence_parallel(sequence_parallel)
+          .recompute(std::move(recompute))
           .group(std::move(group)),
       dense);
 }
 
 ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
-    const torch::nn::TransformerEncoderLayer& dense, GroupPtr group, bool sequence_parallel) {
+    const torch::nn::TransformerEncoderLayer& dense,
+    GroupPtr group,
+    bool sequence_parallel,
+    std::string recompute) {
   const auto& d = dense->options;
   return shard_layer(ParallelTransformerLayerOptions(d.d_model(), d.nhead(), d.dim_feedforward())
                          .dropout(d.dropout())
                          .activation(activation_name(d.activation()))
                          .layer_norm_eps(dense->norm1->options.eps())
                          .sequence_parallel(sequence_parallel)
+                         .recompute(std::move(recompute))
                          .group(std::move(group)),
                      dense);
 }
@@ -252,7 +333,8 @@ at::Tensor parallel_transformer_layer_op(const at::Tensor& x,
                                          bool norm_first,
                                          bool sequence_parallel,
                                          bool training,
-                                         c10::string_view group_name) {
+                                         c10::string_view group_name,
+                                         c10::string_view recompute) {
   const auto group = group_named(group_name);
   const auto options = ParallelTransformerLayerOptions(
                            qkv_weight.size(1), num_heads, fc1_weight.size(0) * group->getSize())
@@ -262,6 +344,7 @@ at::Tensor parallel_transformer_layer_op(const at::Tensor& x,
                            .norm_first(norm_first)
                            .bias(qkv_bias.has_value())
                            .sequence_parallel(sequence_parallel)
+                           .recompute(std::string(recompute))
                            .group(group);
   const TransformerLayerParameters parameters{norm1_weight,
                                               norm1_bias,
@@ -281,7 +364,7 @@ TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
       "Tensor? norm2_weight, Tensor? norm2_bias, Tensor fc1_weight, Tensor? fc1_bias, "
       "Tensor fc2_weight, Tensor? fc2_bias, Tensor? attn_mask, bool is_causal, int num_heads, "
       "str activation, float dropout, float layer_norm_eps, bool norm_first, "
-      "bool sequence_parallel, bool training, str group) -> Tensor",
+      "bool sequence_parallel, bool training, str group, str recompute=\"\") -> Tensor",
       &parallel_transformer_layer_op);
 }
 

@@ -27,10 +27,12 @@
 
 namespace torch_mp::tensor_parallel {
 
-/// What a transformer layer checks beyond its attention's and MLP's checks (the same norm_first
-/// and layer_norm_eps on every rank).
+/// What a transformer layer checks beyond its attention's and MLP's checks: `recompute` one of
+/// "", "full" and "selective", and the same norm_first, layer_norm_eps and recompute on every
+/// rank.
 void check_parallel_transformer_layer(bool norm_first,
                                       double layer_norm_eps,
+                                      const std::string& recompute,
                                       const GroupPtr& group);
 
 /// Options of ParallelTransformerLayer (defaults as torch::nn::TransformerEncoderLayer's).
@@ -49,6 +51,13 @@ struct ParallelTransformerLayerOptions {
   /// Biases of the projections and the LayerNorms.
   TORCH_ARG(bool, bias) = true;
   TORCH_ARG(bool, sequence_parallel) = false;
+  /// Activation recomputation: "" keeps every activation for the backward; "full" keeps the
+  /// layer's input only and recomputes the whole layer in the backward; "selective" recomputes
+  /// the attention core only (scores, softmax, dropout, the product with V: the activations
+  /// that grow with s^2; Megatron's choice). Both replay the dropout masks (torch_mp::recompute),
+  /// so the gradients equal those without recomputation, and both compose with the pipeline's
+  /// zero-bubble split (one recomputation, each gradient once).
+  TORCH_ARG(std::string, recompute) = "";
   TORCH_ARG(GroupPtr, group) = {};
 };
 
@@ -92,13 +101,16 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
   /// The parameters as parallel_transformer_layer takes them.
   TransformerLayerParameters weights() const;
   /// Shards `dense` (its options, pre- or post-LN, with or without biases, kept).
+  /// `recompute` as the option.
   static ParallelTransformerLayer from_dense(const dense::TransformerLayer& dense,
                                              GroupPtr group = {},
-                                             bool sequence_parallel = false);
+                                             bool sequence_parallel = false,
+                                             std::string recompute = "");
   /// Shards `dense` (a post-LN layer with biases, as LibTorch's are).
   static ParallelTransformerLayer from_dense(const torch::nn::TransformerEncoderLayer& dense,
                                              GroupPtr group = {},
-                                             bool sequence_parallel = false);
+                                             bool sequence_parallel = false,
+                                             std::string recompute = "");
 
   /// Allocated, not initialised (for modules that fill it).
   static ParallelTransformerLayer uninitialised(ParallelTransformerLayerOptions options);
