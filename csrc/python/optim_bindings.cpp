@@ -1,12 +1,14 @@
 // pybind11 bindings of the distributed optimizer's sharding (csrc/torch_mp/optim/
-// parameter_shards.h) as torch_mp._C.optim; torch_mp.DistributedOptimizer is built on it.
-// Argument conversion only.
+// parameter_shards.h) and of loss scaling (csrc/torch_mp/grad_scaler.h) as torch_mp._C.optim;
+// torch_mp.DistributedOptimizer and torch_mp.GradScaler are built on them. Argument conversion
+// only.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "python/common.h"
+#include "torch_mp/grad_scaler.h"
 #include "torch_mp/optim/parameter_shards.h"
 
 namespace py = pybind11;
@@ -74,6 +76,42 @@ void bind_optim(py::module_& parent) {
             return out;
           },
           py::arg("per_parameter"));
+
+  py::class_<GradScaler>(m, "GradScaler", "Dynamic loss scaling agreed over the mesh.")
+      .def(py::init([](double init_scale,
+                       double growth_factor,
+                       double backoff_factor,
+                       int64_t growth_interval,
+                       bool enabled,
+                       const std::string& tp_group,
+                       const std::string& pp_group,
+                       const std::string& dp_group) {
+             return std::make_unique<GradScaler>(GradScalerOptions()
+                                                     .init_scale(init_scale)
+                                                     .growth_factor(growth_factor)
+                                                     .backoff_factor(backoff_factor)
+                                                     .growth_interval(growth_interval)
+                                                     .enabled(enabled),
+                                                 resolve(tp_group),
+                                                 resolve(pp_group),
+                                                 resolve(dp_group));
+           }),
+           py::arg("init_scale"),
+           py::arg("growth_factor"),
+           py::arg("backoff_factor"),
+           py::arg("growth_interval"),
+           py::arg("enabled"),
+           py::arg("tp_group"),
+           py::arg("pp_group"),
+           py::arg("dp_group"))
+      .def("scale", &GradScaler::scale, py::arg("loss"))
+      .def("unscale_", &GradScaler::unscale_, py::arg("parameters"), ReleaseGil())
+      .def_property_readonly("found_inf", &GradScaler::found_inf)
+      .def_property_readonly("unscaled", &GradScaler::unscaled)
+      .def("update", &GradScaler::update)
+      .def("get_scale", &GradScaler::get_scale)
+      .def_property_readonly("growth_tracker", &GradScaler::growth_tracker)
+      .def("load", &GradScaler::load, py::arg("scale"), py::arg("growth_tracker"));
 }
 
 }  // namespace torch_mp::python

@@ -41,15 +41,14 @@ at::Tensor reduce_over(at::Tensor value, const GroupPtr& group, c10d::ReduceOp o
 }
 
 // The gradients of `parameters` that a DataParallel(shard_gradients=True) holds (their .grad is
-// empty): this rank's pieces of them, by engine, with whether each counts here.
+// empty): this rank's pieces of them, by engine, with the parameter of each.
 struct ShardedGradients {
   GroupPtr group;  // the data-parallel group the pieces are spread over
   std::vector<at::Tensor> pieces;
-  std::vector<bool> counted;
+  std::vector<at::Tensor> parameters;
 };
 
-std::vector<ShardedGradients> sharded_gradients(const std::vector<at::Tensor>& parameters,
-                                                const GroupPtr& tp_group) {
+std::vector<ShardedGradients> sharded_gradients(const std::vector<at::Tensor>& parameters) {
   std::vector<std::pair<std::shared_ptr<data_parallel::ShardedGradientSync>,
                         std::unordered_set<const c10::TensorImpl*>>>
       engines;
@@ -78,7 +77,7 @@ std::vector<ShardedGradients> sharded_gradients(const std::vector<at::Tensor>& p
       at::Tensor g = engine->piece_gradient(s);
       if (g.defined() && wanted.count(p.unsafeGetTensorImpl())) {
         gradients.pieces.push_back(g);
-        gradients.counted.push_back(counted_here(p, tp_group));
+        gradients.parameters.push_back(p);
       }
     }
     out.push_back(std::move(gradients));
@@ -108,10 +107,10 @@ at::Tensor total_grad_norm(const std::vector<at::Tensor>& parameters,
   }
   const auto op = max_norm ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
   // Gradients reduce-scattered over a data group: each element on one rank of it.
-  for (const auto& sharded : sharded_gradients(parameters, tp_group)) {
+  for (const auto& sharded : sharded_gradients(parameters)) {
     at::Tensor part = at::zeros({}, at::kFloat);
     for (size_t i = 0; i < sharded.pieces.size(); ++i) {
-      if (sharded.counted[i]) {
+      if (counted_here(sharded.parameters[i], tp_group)) {
         const auto norm = at::linalg_vector_norm(sharded.pieces[i], norm_type).to(at::kFloat).cpu();
         part = max_norm ? at::maximum(part, norm) : part + norm.pow(norm_type);
       }
@@ -138,19 +137,23 @@ at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters,
               value,
               " (non-finite); the gradients were not clipped");
   const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
-  for (const auto& p : parameters) {
-    at::Tensor g = p.grad();
-    if (g.defined()) {
-      g.mul_(coef.to(g.device()));
-    }
-  }
-  for (const auto& sharded : sharded_gradients(parameters, tp_group)) {
-    for (const auto& g : sharded.pieces) {
-      at::Tensor piece = g;
-      piece.mul_(coef.to(g.device()));
-    }
+  for (auto& g : local_gradients(parameters)) {
+    g.mul_(coef.to(g.device()));
   }
   return total;
+}
+
+std::vector<at::Tensor> local_gradients(const std::vector<at::Tensor>& parameters) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : parameters) {
+    if (p.grad().defined()) {
+      out.push_back(p.grad());
+    }
+  }
+  for (auto& sharded : sharded_gradients(parameters)) {
+    out.insert(out.end(), sharded.pieces.begin(), sharded.pieces.end());
+  }
+  return out;
 }
 
 at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters,

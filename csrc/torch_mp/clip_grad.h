@@ -36,6 +36,12 @@ at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters,
                            const GroupPtr& pp_group,
                            bool error_if_nonfinite = false);
 
+/// The gradient tensors of `parameters` on this rank, what an optimizer over them steps from:
+/// each one's .grad, or this rank's pieces of those a DataParallel(shard_gradients=True) holds
+/// (views into its buckets: writing into them changes what the optimizer steps with). Those
+/// without a gradient are left out.
+std::vector<at::Tensor> local_gradients(const std::vector<at::Tensor>& parameters);
+
 /// clip_grad_norm_ over the groups of `mesh` (the default mesh when null).
 at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters,
                            double max_norm,

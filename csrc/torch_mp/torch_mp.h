@@ -12,6 +12,7 @@
 #include "torch_mp/data_parallel/shard_layout.h"           // IWYU pragma: export
 #include "torch_mp/data_parallel/sharded_gradient_sync.h"  // IWYU pragma: export
 #include "torch_mp/dense.h"                                // IWYU pragma: export
+#include "torch_mp/grad_scaler.h"                          // IWYU pragma: export
 #include "torch_mp/layout.h"                               // IWYU pragma: export
 #include "torch_mp/mesh.h"                                 // IWYU pragma: export
 #include "torch_mp/optim/distributed_optimizer.h"          // IWYU pragma: export
