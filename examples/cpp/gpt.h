@@ -215,7 +215,8 @@ inline torch::Tensor sample(DenseGpt& model,
 
 /// Cross-entropy of [s, b, vocab] logits against [b, s] next-token targets.
 inline torch::Tensor dense_loss(const torch::Tensor& logits, const torch::Tensor& target) {
-  return torch::nn::functional::cross_entropy(logits.flatten(0, 1), target.t().flatten());
+  return torch::nn::functional::cross_entropy(logits.to(torch::kFloat).flatten(0, 1),
+                                              target.t().flatten());
 }
 
 /// One pipeline stage of DenseGpt, tensor-parallel: layers [first_layer, first_layer + count),
@@ -294,7 +295,7 @@ struct GptStageImpl : torch::nn::Module {
   /// The last stage's loss: vocabulary-parallel cross-entropy against [b, s] targets.
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& target) const {
     return tp::vocab_parallel_cross_entropy(
-        logits, target.t(), group, -100, 0.0, at::Reduction::Mean, vocab);
+        logits.to(torch::kFloat), target.t(), group, -100, 0.0, at::Reduction::Mean, vocab);
   }
 
   /// How this stage's names map to DenseGpt's, for torch_mp::checkpoint: its layers renumbered,

@@ -25,7 +25,10 @@
 // token table (gathered) to 1e-4 after every step (AdamW scales each element's update by its own
 // gradient's root mean square, so elements inherit their gradient's relative error).
 //
-// --zero shards AdamW's state over the data ranks (torch_mp::DistributedOptimizer, ZeRO-1).
+// --zero shards AdamW's state over the data ranks (torch_mp::DistributedOptimizer, ZeRO-1);
+// --zero 2 the gradients too (DataParallelOptions::shard_gradients, ZeRO-2). --bf16 trains bf16
+// parameters with fp32 main gradients and fp32 masters (ZeRO-2); its --check reference runs the
+// same recipe on one process, held to bf16's roundings (examples/python/gpt_3d.py says why).
 // --recompute full|selective recomputes each layer (or its attention core) in the backward, with
 // the same dropout masks (ParallelTransformerLayerOptions::recompute).
 //
@@ -56,12 +59,14 @@
 namespace {
 
 constexpr double kLossTolerance = 1e-5, kParameterTolerance = 1e-4;
+constexpr double kBf16LossTolerance = 1e-3, kBf16ParameterTolerance = 1e-2;
 
 struct Args {
   int64_t tp = 1, pp = 1, dp = -1;
   std::string schedule = "1f1b";
   bool sequence_parallel = false;
-  bool zero = false;
+  int zero = 0;  // 1: AdamW's state sharded over the data ranks; 2: the gradients too
+  bool bf16 = false;
   std::string recompute;
   bool check = false;
   bool resume = false;
@@ -101,7 +106,12 @@ Args parse(int argc, char** argv) {
     if (flag == "--sequence-parallel") {
       a.sequence_parallel = true;
     } else if (flag == "--zero") {
-      a.zero = true;
+      a.zero = 1;
+      if (i + 1 < argc && (std::string(argv[i + 1]) == "1" || std::string(argv[i + 1]) == "2")) {
+        a.zero = std::stoi(argv[++i]);
+      }
+    } else if (flag == "--bf16") {
+      a.bf16 = true;
     } else if (flag == "--check") {
       a.check = true;
     } else if (flag == "--resume") {
@@ -176,6 +186,41 @@ void load_dense_file(gpt::DenseGpt& dense, const std::string& path) {
   }
 }
 
+/// The one-process run of the same recipe: AdamW over the model's parameters, or, with --bf16,
+/// over fp32 masters of its bf16 parameters (the gradients taken in fp32, the parameters
+/// written back rounded); clipped as the parallel run is.
+struct Reference {
+  gpt::DenseGpt model = nullptr;
+  bool bf16 = false;
+  std::vector<at::Tensor> params, masters;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+
+  Reference(gpt::DenseGpt dense, bool bf16, double lr) : model(std::move(dense)), bf16(bf16) {
+    if (bf16) {
+      model->to(torch::kBFloat16);
+    }
+    params = model->parameters();
+    refresh_masters();
+    optimizer = std::make_unique<torch::optim::AdamW>(
+        masters, torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  }
+  void refresh_masters() {
+    torch::NoGradGuard no_grad;
+    if (!bf16) {
+      masters = params;
+      return;
+    }
+    if (masters.empty()) {
+      for (const auto& p : params) {
+        masters.push_back(p.detach().to(torch::kFloat));
+      }
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      masters[i].copy_(params[i]);
+    }
+  }
+};
+
 /// The dense model holding the stages' weights, on rank 0 (null elsewhere): exported to the
 /// dense file `exported` (a collective), rebuilt from it.
 gpt::DenseGpt gathered_model(const Args& a,
@@ -247,7 +292,11 @@ double table_difference(const gpt::GptStage& mine, const gpt::DenseGpt& referenc
   for (const auto& table : {mine->tok, mine->head}) {
     if (table) {
       const auto gathered = table->to_dense()->weight;
-      worst = std::max(worst, (gathered - reference->tok->weight).abs().max().item<double>());
+      worst = std::max(worst,
+                       (gathered.to(torch::kFloat) - reference->tok->weight.to(torch::kFloat))
+                           .abs()
+                           .max()
+                           .item<double>());
     }
   }
   return worst;
@@ -272,14 +321,15 @@ int run(int argc, char** argv) {
 
   torch::manual_seed(a.seed);  // the same dense model on every rank
   gpt::DenseGpt dense(config);
-  gpt::DenseGpt reference = nullptr;
+  std::unique_ptr<Reference> reference;
   if (a.check) {
-    reference = gpt::DenseGpt(config);
+    gpt::DenseGpt copy(config);
     torch::NoGradGuard no_grad;
     const auto from = dense->named_parameters();
-    for (auto& item : reference->named_parameters()) {
+    for (auto& item : copy->named_parameters()) {
       item.value().copy_(from[item.key()]);
     }
+    reference = std::make_unique<Reference>(copy, a.bf16, a.lr);
   }
   TORCH_CHECK(a.layers % a.pp == 0, "gpt_3d: --layers must be divisible by --pp");
   const int64_t per_stage = a.layers / a.pp, stage = mesh->pp_rank();
@@ -291,7 +341,14 @@ int run(int argc, char** argv) {
                      a.sequence_parallel,
                      mesh->tp_group,
                      a.recompute);
-  torch_mp::DataParallel wrapped(mine, torch_mp::DataParallelOptions().group(mesh->dp_group));
+  const int zero = a.bf16 ? 2 : a.zero;
+  auto data_parallel = torch_mp::DataParallelOptions().group(mesh->dp_group);
+  data_parallel.shard_gradients(zero >= 2);
+  if (a.bf16) {
+    mine->to(torch::kBFloat16);
+    data_parallel.grad_dtype(torch::kFloat);
+  }
+  torch_mp::DataParallel wrapped(mine, data_parallel);
   torch_mp::pipeline::Pipeline pipe(
       {torch_mp::pipeline::stage_of(wrapped)},
       [mine](const std::vector<at::Tensor>& logits, const std::vector<at::Tensor>& target) {
@@ -310,24 +367,22 @@ int run(int argc, char** argv) {
   // --zero: AdamW's state sharded over the data ranks (torch_mp::DistributedOptimizer, ZeRO-1).
   const auto adamw = torch::optim::AdamWOptions(a.lr).weight_decay(0.01);
   std::unique_ptr<torch::optim::Optimizer> owned_optimizer;
-  if (a.zero) {
-    owned_optimizer = std::make_unique<torch_mp::DistributedOptimizer>(
-        parameters, adamw, torch_mp::DistributedOptimizerOptions().group(mesh->dp_group));
+  if (zero > 0) {
+    auto sharded = torch_mp::DistributedOptimizerOptions().group(mesh->dp_group);
+    if (a.bf16) {
+      sharded.master_dtype(torch::kFloat);
+    }
+    owned_optimizer = std::make_unique<torch_mp::DistributedOptimizer>(parameters, adamw, sharded);
   } else {
     owned_optimizer = std::make_unique<torch::optim::AdamW>(parameters, adamw);
   }
   torch::optim::Optimizer& optimizer = *owned_optimizer;
   const gpt::LearningRate schedule{
       .lr = a.lr, .warmup = a.warmup, .decay_steps = a.decay_steps, .min_lr = a.min_lr};
-  std::unique_ptr<torch::optim::AdamW> reference_optimizer;
-  if (a.check) {
-    reference_optimizer = std::make_unique<torch::optim::AdamW>(
-        reference->parameters(), torch::optim::AdamWOptions(a.lr).weight_decay(0.01));
-  }
   if (is_rank0) {
     std::printf(
         "gpt_3d: %lld layers of hidden size %lld, vocabulary %lld: tp=%lld x pp=%lld x "
-        "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s\n",
+        "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s%s\n",
         static_cast<long long>(a.layers),
         static_cast<long long>(a.hidden),
         static_cast<long long>(config.vocab),
@@ -336,7 +391,10 @@ int run(int argc, char** argv) {
         static_cast<long long>(mesh->dp_size()),
         a.schedule.c_str(),
         a.sequence_parallel ? "on" : "off",
-        a.zero ? ", AdamW sharded over the data ranks" : "",
+        zero > 0 ? (zero > 1 ? ", AdamW and gradients sharded over the data ranks"
+                             : ", AdamW sharded over the data ranks")
+                 : "",
+        a.bf16 ? ", bf16 with fp32 main gradients and masters" : "",
         a.recompute.empty() ? "" : ", recompute ",
         a.recompute.c_str());
   }
@@ -379,17 +437,31 @@ int run(int argc, char** argv) {
     std::string line =
         progress(step, a.steps, value, global_batch * a.seq * (step - first_step + 1) / seconds);
     if (a.check) {
-      reference_optimizer->zero_grad();
-      const auto expected = gpt::dense_loss(reference->forward(inputs), target);
+      auto& r = *reference;
+      r.optimizer->zero_grad();
+      r.model->zero_grad();
+      const auto expected = gpt::dense_loss(r.model->forward(inputs), target);
       expected.backward();
-      torch::nn::utils::clip_grad_norm_(reference->parameters(), a.clip);
-      set_learning_rate(*reference_optimizer, schedule.at(step));
-      reference_optimizer->step();
+      if (r.bf16) {
+        for (size_t i = 0; i < r.params.size(); ++i) {
+          r.masters[i].mutable_grad() = r.params[i].grad().to(torch::kFloat);
+        }
+      }
+      torch::nn::utils::clip_grad_norm_(r.masters, a.clip);
+      set_learning_rate(*r.optimizer, schedule.at(step));
+      r.optimizer->step();
+      if (r.bf16) {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < r.params.size(); ++i) {
+          r.params[i].copy_(r.masters[i]);
+        }
+      }
       worst_loss = std::max(worst_loss, std::abs(value - expected.item<double>()));
       // Collectives: compare the token table, then start the next step from the same weights.
-      worst_table = std::max(worst_table, table_difference(mine, reference));
+      worst_table = std::max(worst_table, table_difference(mine, r.model));
       if (step < a.steps) {
-        sync_reference(reference, stages, mesh, synced);
+        sync_reference(r.model, stages, mesh, synced);
+        r.refresh_masters();
       }
       char text[64];
       std::snprintf(text, sizeof(text), "  (one process: %.4f)", expected.item<double>());
@@ -420,15 +492,17 @@ int run(int argc, char** argv) {
   worst = torch_mp::comm::all_reduce(worst, mesh->world, c10d::ReduceOp::MAX);
   worst_loss = worst[0].item<double>();
   worst_table = worst[1].item<double>();
-  const bool ok = worst_loss <= kLossTolerance && worst_table <= kParameterTolerance;
+  const double loss_tolerance = a.bf16 ? kBf16LossTolerance : kLossTolerance;
+  const double table_tolerance = a.bf16 ? kBf16ParameterTolerance : kParameterTolerance;
+  const bool ok = worst_loss <= loss_tolerance && worst_table <= table_tolerance;
   if (is_rank0) {
     std::printf(
         "agreement with the one-process reference (each step from the same parameters): losses "
         "max |diff| %.2e (tolerance %.0e), token table max |diff| %.2e (tolerance %.0e): %s\n",
         worst_loss,
-        kLossTolerance,
+        loss_tolerance,
         worst_table,
-        kParameterTolerance,
+        table_tolerance,
         ok ? "OK" : "MISMATCH");
   }
   return ok ? EXIT_SUCCESS : EXIT_FAILURE;

@@ -18,7 +18,11 @@ package) with AdamW (warm-up, then cosine decay) and gradient clipping
 - Data parallelism (``--dp``): every replica sees its own share of each batch; each stage is
   wrapped in ``torch_mp.DataParallel`` (or, with ``--ddp``, PyTorch's DistributedDataParallel)
   and the gradients are averaged once per step. ``--zero`` shards AdamW's state over the data
-  ranks (``torch_mp.DistributedOptimizer``, ZeRO-1).
+  ranks (``torch_mp.DistributedOptimizer``, ZeRO-1), ``--zero 2`` the gradients too
+  (``DataParallel(shard_gradients=True)``, ZeRO-2; the head's tie to the embedding sums the
+  tied copies' pieces).
+- ``--bf16``: bf16 parameters and compute, fp32 main gradients and fp32 masters (ZeRO-2); the
+  reference runs the same recipe on one process, and ``--check`` holds it to bf16's roundings.
 - Activation recomputation (``--recompute full|selective``): each layer keeps only its input
   and runs again in the backward, or recomputes its attention core only, with the same dropout
   masks: the same gradients, less activation memory.
@@ -74,6 +78,11 @@ from torch_mp.models import (
 # model's parameters: every step is checked from the same start, at fp32's tolerances.
 LOSS_TOLERANCE = 1e-5
 PARAMETER_TOLERANCE = 1e-4
+# bf16 (--bf16; the reference runs the same recipe, the losses taken in fp32 by both): the tensor
+# group's all-reduces sum bf16 partial products that one process sums inside one matrix product,
+# so activations differ by bf16 roundings (2^-8 relative), and a parameter by an ulp of bf16
+# where its master's rounding went the other way.
+BF16_TOLERANCES = (1e-3, 1e-2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,7 +100,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--ddp", action="store_true", help="DistributedDataParallel stages")
     parser.add_argument(
-        "--zero", action="store_true", help="shard AdamW's state over the data ranks (ZeRO-1)"
+        "--zero",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        choices=[1, 2],
+        help="1 (the default): shard AdamW's state over the data ranks; 2: the gradients too",
+    )
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 with fp32 main gradients and masters (ZeRO-2)"
     )
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--batch", type=int, default=32, help="sequences per data rank and step")
@@ -145,6 +163,7 @@ def options_of(args: argparse.Namespace) -> TrainingOptions:
         recompute=args.recompute,
         ddp=args.ddp,
         zero=args.zero,
+        bf16=args.bf16,
         lr=args.lr,
         clip=args.clip,
         warmup=args.warmup,
@@ -214,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             f"tp={mesh.tp_size} x pp={mesh.pp_size} x dp={mesh.dp_size} ranks, schedule "
             f"{args.schedule}, sequence parallel {'on' if args.sequence_parallel else 'off'}, "
             f"{'DistributedDataParallel' if args.ddp else 'torch_mp.DataParallel'}"
-            f"{', AdamW sharded over the data ranks' if args.zero else ''}"
+            f"{', AdamW sharded over the data ranks' if args.zero or args.bf16 else ''}"
+            f"{', gradients too' if args.zero == 2 or args.bf16 else ''}"
+            f"{', bf16 with fp32 main gradients and masters' if args.bf16 else ''}"
             f"{f', recompute {args.recompute}' if args.recompute else ''}",
             flush=True,
         )
@@ -229,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             for step in range(1, first):
                 reference.step(*corpus.batch(step, global_batch, args.seq))
             # ... and takes the resumed parameters, as at every sync (its AdamW state is its own).
-            reference.model.load_state_dict(trainer.dense_state(everywhere=True))
+            reference.load_parameters(trainer.dense_state(everywhere=True))
         if rank == 0:
             print(f"resumed from {args.checkpoint} after step {first - 1}", flush=True)
     start = time.perf_counter()
@@ -250,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             # Collectives: compare the parameters, then start the next step from the same ones.
             worst_param = max(worst_param, *differences(trainer, reference.model).values())
             if step < args.steps:
-                reference.model.load_state_dict(trainer.dense_state(everywhere=True))
+                reference.load_parameters(trainer.dense_state(everywhere=True))
             line += f"  (one process: {expected:.4f})"
         if rank == 0:
             print(line, flush=True)
@@ -272,13 +293,16 @@ def main(argv: list[str] | None = None) -> int:
     worst = torch.tensor([worst_loss, worst_param], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     worst_loss, worst_param = worst.tolist()
-    ok = worst_loss <= LOSS_TOLERANCE and worst_param <= PARAMETER_TOLERANCE
+    loss_tolerance, parameter_tolerance = (
+        BF16_TOLERANCES if args.bf16 else (LOSS_TOLERANCE, PARAMETER_TOLERANCE)
+    )
+    ok = worst_loss <= loss_tolerance and worst_param <= parameter_tolerance
     if rank == 0:
         print(
             "agreement with the one-process reference (each step from the same parameters): "
             f"losses max |diff| "
-            f"{worst_loss:.2e} (tolerance {LOSS_TOLERANCE:.0e}), parameters max |diff| "
-            f"{worst_param:.2e} (tolerance {PARAMETER_TOLERANCE:.0e}): "
+            f"{worst_loss:.2e} (tolerance {loss_tolerance:.0e}), parameters max |diff| "
+            f"{worst_param:.2e} (tolerance {parameter_tolerance:.0e}): "
             f"{'OK' if ok else 'MISMATCH'}"
         )
     dist.destroy_process_group()

@@ -82,7 +82,7 @@ def test_tp_cnn_example_under_torchrun(nproc):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--tp", "2", "--pp", "2", "--dp", "2", "--zero", "--recompute", "full"]],
+    [["--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--recompute", "full"]],
     ids=["2x2x2"],
 )
 def test_gpt_3d_example_under_torchrun(flags, tmp_path):
@@ -96,7 +96,8 @@ def test_gpt_3d_example_under_torchrun(flags, tmp_path):
         *("--plot", str(loss_png), "--trace", str(timeline_png)),
     )
     assert "tp=2 x pp=2 x dp=2 ranks, schedule 1f1b" in stdout
-    assert "AdamW sharded over the data ranks, recompute full" in stdout
+    assert "AdamW sharded over the data ranks, gradients too, bf16 with fp32 main" in stdout
+    assert "recompute full" in stdout
     assert "step 3/3  loss" in stdout and "tokens/s" in stdout
     assert "sampled from the trained model" in stdout
     assert f"wrote the loss curve to {loss_png}" in stdout

@@ -163,8 +163,9 @@ def sample(
 
 
 def dense_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of ``[s, b, vocab]`` logits against ``[b, s]`` next-token targets."""
-    return F.cross_entropy(logits.flatten(0, 1), target.T.flatten())
+    """Cross-entropy of ``[s, b, vocab]`` logits against ``[b, s]`` next-token targets (in
+    fp32 whatever the logits' dtype, as large runs take it)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), target.T.flatten())
 
 
 class GPTStage(nn.Module):
@@ -227,8 +228,11 @@ class GPTStage(nn.Module):
         return h @ self.head.weight.T
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss: vocabulary-parallel cross-entropy against ``[b, s]`` targets."""
-        return torch_mp.vocab_parallel_cross_entropy(logits, target.T, vocab_size=self.vocab)
+        """The last stage's loss: vocabulary-parallel cross-entropy against ``[b, s]`` targets
+        (in fp32 whatever the logits' dtype)."""
+        return torch_mp.vocab_parallel_cross_entropy(
+            logits.float(), target.T, vocab_size=self.vocab
+        )
 
     def dense_names(self) -> dict[str, str]:
         """How this stage's names map to ``DenseGPT``'s, for torch_mp.checkpoint: its layers

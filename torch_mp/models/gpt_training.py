@@ -23,8 +23,10 @@ __all__ = ["DenseTrainer", "Trainer3D", "TrainingOptions", "differences", "learn
 class TrainingOptions:
     """How the GPT is trained: the pipeline schedule and micro-batches, sequence parallelism,
     the layers' activation recomputation (``recompute``: None, ``"full"`` or ``"selective"``),
-    DistributedDataParallel (``ddp``) or torch_mp.DataParallel stages, AdamW's state sharded
-    over the data ranks (``zero``: torch_mp.DistributedOptimizer) or not, its learning rate (its
+    DistributedDataParallel (``ddp``) or torch_mp.DataParallel stages, ZeRO (``zero``: 0 none;
+    1 AdamW's state sharded over the data ranks, torch_mp.DistributedOptimizer; 2 the gradients
+    too, ``DataParallel(shard_gradients=True)``), bf16 parameters and compute with fp32 main
+    gradients and fp32 masters (``bf16``, which implies ZeRO-2), AdamW's learning rate (its
     schedule: :func:`learning_rate`) and weight decay, and the gradient norm clipped to."""
 
     schedule: str = "1f1b"
@@ -32,7 +34,8 @@ class TrainingOptions:
     sequence_parallel: bool = False
     recompute: str | None = None
     ddp: bool = False
-    zero: bool = False
+    zero: int = 0
+    bf16: bool = False
     lr: float = 3e-3
     weight_decay: float = 0.01
     clip: float = 0.5
@@ -69,10 +72,22 @@ class Trainer3D:
         self.stages = build_stages(
             dense, mesh, stages_per_rank, options.sequence_parallel, options.recompute
         )
+        zero = 2 if options.bf16 else int(options.zero)
+        if options.ddp and zero >= 2:
+            raise ValueError("TrainingOptions: ZeRO-2 (zero=2 or bf16) needs torch_mp.DataParallel")
+        if options.bf16:
+            for stage in self.stages:
+                stage.to(torch.bfloat16)
         if options.ddp:
             wrapped = [DistributedDataParallel(s, process_group=mesh.dp_group) for s in self.stages]
         else:
-            wrapped = [torch_mp.DataParallel(s, mesh=mesh) for s in self.stages]
+            grad_dtype = torch.float32 if options.bf16 else None
+            wrapped = [
+                torch_mp.DataParallel(
+                    s, mesh=mesh, shard_gradients=zero >= 2, grad_dtype=grad_dtype
+                )
+                for s in self.stages
+            ]
         tied = [s.tok.weight for s in self.stages if s.first and not s.last]
         tied += [s.head.weight for s in self.stages if s.last and not s.first]
         self.pipe = pipeline.Pipeline(
@@ -85,9 +100,14 @@ class Trainer3D:
         )
         self.parameters = [p for s in self.stages for p in s.parameters()]
         hyperparameters = {"lr": options.lr, "weight_decay": options.weight_decay}
-        if options.zero:
+        if zero:
+            master_dtype = torch.float32 if options.bf16 else None
             self.optimizer = torch_mp.DistributedOptimizer(
-                self.parameters, torch.optim.AdamW, mesh=mesh, **hyperparameters
+                self.parameters,
+                torch.optim.AdamW,
+                mesh=mesh,
+                master_dtype=master_dtype,
+                **hyperparameters,
             )
         else:
             self.optimizer = torch.optim.AdamW(self.parameters, **hyperparameters)
@@ -155,12 +175,18 @@ class Trainer3D:
 
 
 class DenseTrainer:
-    """The reference: the same model and batches on one process."""
+    """The reference: the same model and batches on one process; with ``options.bf16`` the
+    same recipe written out: a bf16 model, its gradients in fp32, AdamW on fp32 masters written
+    back rounded."""
 
     def __init__(self, dense: DenseGPT, options: TrainingOptions) -> None:
         self.model, self.options = dense, options
+        if options.bf16:
+            self.model.to(torch.bfloat16)
+        self.params = list(self.model.parameters())
+        self.masters = [p.detach().float() for p in self.params] if options.bf16 else self.params
         self.optimizer = torch.optim.AdamW(
-            dense.parameters(), lr=options.lr, weight_decay=options.weight_decay
+            self.masters, lr=options.lr, weight_decay=options.weight_decay
         )
         self.steps_done = 0
 
@@ -168,14 +194,30 @@ class DenseTrainer:
         loss = self.compute_gradients(inputs, target)
         self.steps_done += 1
         _optimizer_step(self.optimizer, self.options, self.steps_done)
+        if self.options.bf16:
+            with torch.no_grad():
+                for master, p in zip(self.masters, self.params, strict=True):
+                    p.copy_(master)
         return loss
 
     def compute_gradients(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
         self.optimizer.zero_grad()
+        self.model.zero_grad()
         loss = dense_loss(self.model(inputs), target)
         loss.backward()
-        nn.utils.clip_grad_norm_(self.model.parameters(), self.options.clip)
+        if self.options.bf16:
+            for master, p in zip(self.masters, self.params, strict=True):
+                master.grad = p.grad.float()
+        nn.utils.clip_grad_norm_(self.masters, self.options.clip)
         return loss.item()
+
+    def load_parameters(self, state: dict[str, torch.Tensor]) -> None:
+        """Takes ``state`` (DenseGPT's names) as its parameters, and its masters from them."""
+        self.model.load_state_dict(state)
+        if self.options.bf16:
+            with torch.no_grad():
+                for master, p in zip(self.masters, self.params, strict=True):
+                    master.copy_(p)
 
 
 def differences(trainer: Trainer3D, reference: DenseGPT) -> dict[str, float]:
@@ -183,6 +225,9 @@ def differences(trainer: Trainer3D, reference: DenseGPT) -> dict[str, float]:
     tensor group) and the reference's."""
     want = dict(reference.named_parameters())
     return {
-        name: (value - want["tok.weight" if name == "head.weight" else name]).abs().max().item()
+        name: (value.float() - want["tok.weight" if name == "head.weight" else name].float())
+        .abs()
+        .max()
+        .item()
         for name, value in trainer.gathered().items()
     }

@@ -90,6 +90,10 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
   const GroupPtr& group() const { return group_; }
   double bucket_cap_mb() const { return bucket_cap_mb_; }
+  /// The dtype the gradients are reduced in: grad_dtype, or that of the parameters.
+  at::ScalarType gradient_dtype(const at::Tensor& parameter) const {
+    return grad_dtype_.value_or(parameter.scalar_type());
+  }
 
  private:
   ShardedGradientSync(std::vector<at::Tensor> parameters,
@@ -116,8 +120,8 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   double bucket_cap_mb_;
   std::optional<at::ScalarType> grad_dtype_;
   ShardLayout layout_;
-  std::vector<size_t> bucket_of_;  // each parameter's bucket
-  std::vector<int64_t> start_of_;  // and its first element in it
+  std::vector<size_t> bucket_of_;     // each parameter's bucket
+  std::vector<int64_t> start_of_;     // and its first element in it
   std::vector<size_t> piece_bucket_;  // each piece's bucket
   std::vector<int64_t> piece_start_;  // and its first element in this rank's range of it
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "torch_mp/collectives.h"
@@ -14,6 +15,44 @@ namespace torch_mp::pipeline {
 namespace {
 
 GroupPtr group_or_default(const GroupPtr& group) { return group ? group : get_mesh()->pp_group; }
+
+// A tied parameter whose gradient a DataParallel(shard_gradients=True) reduce-scattered: no rank
+// holds it whole. Each data rank writes its pieces into a zero gradient, a sum over the data
+// group puts the averaged gradient together, a sum over the embedding group adds the tied copy's,
+// and each rank keeps its pieces of the total. (The same on every rank of the data group, pieces
+// or none: every rank takes part in both sums.)
+void tie_sharded_gradient(const at::Tensor& p,
+                          const data_parallel::ShardedGradientSync& engine,
+                          const GroupPtr& embedding_group) {
+  const auto& parameters = engine.parameters();
+  const auto found = std::find_if(parameters.begin(), parameters.end(), [&](const at::Tensor& q) {
+    return q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
+  });
+  const auto index = static_cast<size_t>(found - parameters.begin());
+  const auto& pieces = engine.layout().pieces;
+  std::vector<size_t> mine;
+  at::Tensor whole;
+  for (size_t s = 0; s < pieces.size(); ++s) {
+    if (pieces[s].parameter == index) {
+      mine.push_back(s);
+    }
+  }
+  for (const size_t s : mine) {
+    const at::Tensor g = engine.piece_gradient(s);
+    if (!whole.defined()) {
+      whole = at::zeros({p.numel()}, g.options());
+    }
+    whole.narrow(0, pieces[s].offset, pieces[s].numel).copy_(g.reshape({-1}));
+  }
+  if (!whole.defined()) {  // no piece here; the dtype of the others' (the main gradients')
+    whole = at::zeros({p.numel()}, p.options().dtype(engine.gradient_dtype(p)));
+  }
+  whole = comm::all_reduce(comm::all_reduce(whole, engine.group()), embedding_group);
+  for (const size_t s : mine) {
+    engine.piece_gradient(s).reshape({-1}).copy_(
+        whole.narrow(0, pieces[s].offset, pieces[s].numel));
+  }
+}
 
 }  // namespace
 
@@ -137,16 +176,12 @@ void Pipeline::reset(const StorePtr& store, const std::string& key) {
 
 std::optional<at::Tensor> Pipeline::step(const std::vector<at::Tensor>& inputs,
                                          const std::vector<at::Tensor>& targets) {
-  for (const auto& p : tied_) {
-    TORCH_CHECK(!data_parallel::ShardedGradientSync::of(p),
-                "Pipeline: a tied parameter (shape ",
-                p.sizes(),
-                ") is in a DataParallel with shard_gradients or grad_dtype, whose reduce-"
-                "scatter leaves no whole gradient to sum with its tied copy's; this is not "
-                "supported yet (use shard_gradients=False, or untie)");
-  }
   auto loss = executor_->step(split(inputs), split(targets));
   for (auto& p : tied_) {
+    if (const auto engine = data_parallel::ShardedGradientSync::of(p)) {
+      tie_sharded_gradient(p, *engine, embedding_group_);
+      continue;
+    }
     at::Tensor grad = p.grad();
     if (!grad.defined()) {
       grad = at::zeros_like(p);
