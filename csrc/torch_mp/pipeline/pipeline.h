@@ -61,8 +61,10 @@ class Pipeline {
   /// own, in the same order; other ranks pass none. Copies the first stage's values to the last
   /// stage's, marks the last stage's as tied copies (norms count them once), and after every step
   /// sums their gradients over `embedding_group` (the default mesh's when null), so that both
-  /// copies stay equal. Raises if the ranks' lists differ in length or shapes, or if one rank
-  /// holds both stages (share one parameter there instead).
+  /// copies stay equal (gradients a DataParallel(shard_gradients=True) reduce-scattered are put
+  /// together over its data group first, and each rank keeps its pieces of the sum). Raises if
+  /// the ranks' lists differ in length or shapes, or if one rank holds both stages (share one
+  /// parameter there instead).
   void tie_parameters(std::vector<at::Tensor> parameters, GroupPtr embedding_group = {});
 
   /// Makes the pipeline usable again after a step that failed (on any rank); every rank of the
