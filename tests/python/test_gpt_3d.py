@@ -109,8 +109,8 @@ def test_gpt_2x2x2_with_the_distributed_optimizer_equals_one_process(zero, world
 
 @pytest.mark.parametrize(
     "schedule, recompute, sequence_parallel",
-    [("zb_h1", "full", False), ("1f1b", "selective", True)],
-    ids=["zb_h1-full", "1f1b-selective-sp"],
+    [("zb_h1", "full", False), ("1f1b", "selective", True), ("interleaved_1f1b", "full", True)],
+    ids=["zb_h1-full", "1f1b-selective-sp", "interleaved-full-sp"],
 )
 def test_gpt_2x2x2_with_recomputation_equals_one_process(
     schedule, recompute, sequence_parallel, world8

@@ -168,7 +168,7 @@ def _pipeline_recompute_equals_plain(schedule: str, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["recompute", "full", "selective"])
-@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_recompute_in_pipeline_stages_equals_no_recompute(world4, schedule, how):
     # tp 2 x pp 2. zb_h1 splits each backward into B and W: torch_mp.recompute (torch's
     # saved-tensor hooks) recomputes in each; the layer's option once, in B, keeping the
