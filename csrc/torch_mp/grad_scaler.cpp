@@ -5,6 +5,7 @@
 
 #include <utility>
 
+#include "torch_mp/agreement.h"
 #include "torch_mp/clip_grad.h"
 #include "torch_mp/collectives.h"
 
@@ -29,6 +30,20 @@ GradScaler::GradScaler(GradScalerOptions options,
       pp_group_(std::move(pp_group)),
       dp_group_(std::move(dp_group)),
       scale_(options.init_scale()) {
+  // Agreed first (a rank that refused alone would leave the others waiting), and at all: ranks
+  // that scaled by different factors would sum gradients of different scales, silently.
+  for (const auto& group : {tp_group_, pp_group_, dp_group_}) {
+    if (group && group->getSize() > 1) {
+      comm::check_same_across_ranks({comm::bits(options_.init_scale()),
+                                     comm::bits(options_.growth_factor()),
+                                     comm::bits(options_.backoff_factor()),
+                                     options_.growth_interval(),
+                                     options_.enabled()},
+                                    group,
+                                    "torch_mp.GradScaler options [init_scale, growth_factor, "
+                                    "backoff_factor (bits), growth_interval, enabled]");
+    }
+  }
   TORCH_CHECK(options_.init_scale() > 0,
               "torch_mp.GradScaler: init_scale must be positive, got ",
               options_.init_scale());

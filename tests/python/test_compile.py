@@ -80,6 +80,15 @@ def _mlp(tp: int) -> None:
         torch.testing.assert_close(compiled(x), mlp(x), **TOL)
 
 
+class _Causal(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x, is_causal=True)
+
+
 def _transformer_layer(tp: int, sequence_parallel: bool) -> None:
     use_mesh(tp)
     torch.manual_seed(1)
@@ -93,15 +102,7 @@ def _transformer_layer(tp: int, sequence_parallel: bool) -> None:
         x = x.chunk(tp)[dist.get_rank()].contiguous()
     _no_graph_break(lambda x: parallel(x, is_causal=True), x)
 
-    class Causal(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x, is_causal=True)
-
-    _compiled_equals_eager(Causal(parallel), lambda y: y.square().sum(), x)
+    _compiled_equals_eager(_Causal(parallel), lambda y: y.square().sum(), x)
 
 
 class _Masked(nn.Module):
@@ -165,25 +166,21 @@ def _transformer_layer_recompute(tp: int, sequence_parallel: bool) -> None:
     if sequence_parallel:
         x = x.chunk(tp)[dist.get_rank()].contiguous()
 
-    class Causal(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x, is_causal=True)
-
     for recompute in ("full", "selective"):
         recomputed = torch_mp.ParallelTransformerLayer.from_dense(
             layer, sequence_parallel=sequence_parallel, recompute=recompute
         )
         _no_graph_break(lambda x, m=recomputed: m(x, is_causal=True), x)
         _compiled_equals_eager(
-            Causal(kept), lambda y: y.square().sum(), x, seed=5, compiled_module=Causal(recomputed)
+            _Causal(kept),
+            lambda y: y.square().sum(),
+            x,
+            seed=5,
+            compiled_module=_Causal(recomputed),
         )
     checkpointed = _Checkpointed(copy.deepcopy(kept))
     _compiled_equals_eager(
-        Causal(kept), lambda y: y.square().sum(), x, seed=5, compiled_module=checkpointed
+        _Causal(kept), lambda y: y.square().sum(), x, seed=5, compiled_module=checkpointed
     )
 
 

@@ -172,3 +172,13 @@ def test_misuse_is_refused_and_the_state_round_trips(world2):
         assert "already called" in twice
         assert "growth_factor must be above 1" in growth
         assert "without unscale_" in update
+
+
+def _disagreeing_scales() -> str | None:
+    use_mesh(1)
+    return error_of(torch_mp.GradScaler, init_scale=2.0 ** (10 + dist.get_rank()))
+
+
+def test_ranks_with_different_options_are_refused_on_every_rank(world2):
+    for message in world2.run(_disagreeing_scales):
+        assert message is not None and "torch_mp.GradScaler options" in message, message

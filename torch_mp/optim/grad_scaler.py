@@ -19,7 +19,6 @@ With a pipeline, the loss function scales what it returns:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -46,7 +45,8 @@ class GradScaler:
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: As in
             ``torch.amp.GradScaler``: the scale starts at ``init_scale``, is multiplied by
             ``backoff_factor`` after a skipped step and by ``growth_factor`` after
-            ``growth_interval`` steps in a row without one.
+            ``growth_interval`` steps in a row without one. The same on every rank (checked:
+            ranks scaling by different factors would sum gradients of different scales).
         mesh: Whose tensor, pipeline and data groups agree on overflows; the default mesh when
             None.
     """
@@ -84,11 +84,9 @@ class GradScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the gradients of ``optimizer``'s parameters by the scale and checks them for
-        inf and NaN on every rank (a collective over the mesh). At most once per step."""
-        self._unscale(_parameters(optimizer))
-
-    def _unscale(self, parameters: Iterable[torch.Tensor]) -> None:
-        self._core.unscale_(list(parameters))  # (raises if called twice in a step)
+        inf and NaN on every rank (a collective over the mesh). At most once per step (a
+        second call raises)."""
+        self._core.unscale_(_parameters(optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscales (unless :meth:`unscale_` ran this step), then ``optimizer.step(*args,

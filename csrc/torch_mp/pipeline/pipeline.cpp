@@ -19,8 +19,8 @@ GroupPtr group_or_default(const GroupPtr& group) { return group ? group : get_me
 // A tied parameter whose gradient a DataParallel(shard_gradients=True) reduce-scattered: no rank
 // holds it whole. Each data rank writes its pieces into a zero gradient, a sum over the data
 // group puts the averaged gradient together, a sum over the embedding group adds the tied copy's,
-// and each rank keeps its pieces of the total. (The same on every rank of the data group, pieces
-// or none: every rank takes part in both sums.)
+// and each rank keeps its pieces of the total (piece_gradient is a 1-D view into the reduced
+// gradients). Every rank of the data group takes part in both sums, pieces or none.
 void tie_sharded_gradient(const at::Tensor& p,
                           const data_parallel::ShardedGradientSync& engine,
                           const GroupPtr& embedding_group) {
@@ -28,29 +28,20 @@ void tie_sharded_gradient(const at::Tensor& p,
   const auto found = std::find_if(parameters.begin(), parameters.end(), [&](const at::Tensor& q) {
     return q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl();
   });
+  TORCH_INTERNAL_ASSERT(found != parameters.end());
   const auto index = static_cast<size_t>(found - parameters.begin());
   const auto& pieces = engine.layout().pieces;
-  std::vector<size_t> mine;
-  at::Tensor whole;
+  auto whole = at::zeros({p.numel()}, p.options().dtype(engine.gradient_dtype(p)));
   for (size_t s = 0; s < pieces.size(); ++s) {
     if (pieces[s].parameter == index) {
-      mine.push_back(s);
+      whole.narrow(0, pieces[s].offset, pieces[s].numel).copy_(engine.piece_gradient(s));
     }
-  }
-  for (const size_t s : mine) {
-    const at::Tensor g = engine.piece_gradient(s);
-    if (!whole.defined()) {
-      whole = at::zeros({p.numel()}, g.options());
-    }
-    whole.narrow(0, pieces[s].offset, pieces[s].numel).copy_(g.reshape({-1}));
-  }
-  if (!whole.defined()) {  // no piece here; the dtype of the others' (the main gradients')
-    whole = at::zeros({p.numel()}, p.options().dtype(engine.gradient_dtype(p)));
   }
   whole = comm::all_reduce(comm::all_reduce(whole, engine.group()), embedding_group);
-  for (const size_t s : mine) {
-    engine.piece_gradient(s).reshape({-1}).copy_(
-        whole.narrow(0, pieces[s].offset, pieces[s].numel));
+  for (size_t s = 0; s < pieces.size(); ++s) {
+    if (pieces[s].parameter == index) {
+      engine.piece_gradient(s).copy_(whole.narrow(0, pieces[s].offset, pieces[s].numel));
+    }
   }
 }
 
