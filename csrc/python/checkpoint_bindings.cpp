@@ -83,6 +83,55 @@ void bind_checkpoint(py::module_& parent) {
       py::arg("metadata"),
       py::arg("root_files"),
       py::arg("group"));
+  py::class_<ckpt::AsyncSave, std::shared_ptr<ckpt::AsyncSave>>(
+      m, "AsyncSave", "A save running in the background.")
+      .def("wait", &ckpt::AsyncSave::wait, py::call_guard<py::gil_scoped_release>())
+      .def("done", &ckpt::AsyncSave::done)
+      .def_property_readonly("path", &ckpt::AsyncSave::path);
+  m.def(
+      "async_save",
+      [](const std::string& path,
+         const std::vector<ckpt::Shard>& shards,
+         const std::optional<std::string>& file,
+         const std::vector<std::string>& files,
+         const std::map<std::string, std::string>& metadata,
+         const std::map<std::string, py::bytes>& root_files,
+         const std::string& group) {
+        std::map<std::string, std::string> contents;
+        for (const auto& [name, bytes] : root_files) {
+          contents[name] = bytes;
+        }
+        py::gil_scoped_release release;
+        return ckpt::async_save(path, shards, file, files, metadata, contents, resolve(group));
+      },
+      py::arg("path"),
+      py::arg("shards"),
+      py::arg("file"),
+      py::arg("files"),
+      py::arg("metadata"),
+      py::arg("root_files"),
+      py::arg("group"));
+  m.def("wait_for_pending_save",
+        &ckpt::wait_for_pending_save,
+        py::call_guard<py::gil_scoped_release>());
+
+  py::class_<ckpt::CorruptBlock>(m, "CorruptBlock", "A part of a checkpoint that fails its check.")
+      .def_readonly("file", &ckpt::CorruptBlock::file)
+      .def_readonly("key", &ckpt::CorruptBlock::key)
+      .def_readonly("tensor", &ckpt::CorruptBlock::tensor)
+      .def_readonly("message", &ckpt::CorruptBlock::message);
+  py::class_<ckpt::VerifyReport>(m, "VerifyReport", "What verify found.")
+      .def_readonly("corrupt", &ckpt::VerifyReport::corrupt)
+      .def_readonly("unchecked", &ckpt::VerifyReport::unchecked)
+      .def_readonly("files", &ckpt::VerifyReport::files)
+      .def_readonly("blocks", &ckpt::VerifyReport::blocks)
+      .def_readonly("bytes", &ckpt::VerifyReport::bytes);
+  m.def("verify",
+        &ckpt::verify,
+        py::arg("path"),
+        py::arg("threads") = 0,
+        py::call_guard<py::gil_scoped_release>());
+
   py::class_<ckpt::Reader>(m, "Reader", "A checkpoint directory or dense file opened for reading.")
       .def(py::init([](const std::string& path,
                        const std::optional<std::string>& group,
@@ -95,6 +144,21 @@ void bind_checkpoint(py::module_& parent) {
            py::arg("dense_prefix") = "model/")
       .def_property_readonly("path", &ckpt::Reader::path)
       .def_property_readonly("metadata", &ckpt::Reader::metadata)
+      .def_property_readonly("unchecked_files", &ckpt::Reader::unchecked_files)
+      .def(
+          "root_file",
+          [](const ckpt::Reader& reader, const std::string& name) -> std::optional<py::bytes> {
+            std::optional<std::string> contents;
+            {
+              py::gil_scoped_release release;
+              contents = reader.root_file(name);
+            }
+            if (!contents) {
+              return std::nullopt;
+            }
+            return py::bytes(*contents);
+          },
+          py::arg("name"))
       .def_property_readonly("tensors",
                              [](const ckpt::Reader& reader) {
                                py::dict out;

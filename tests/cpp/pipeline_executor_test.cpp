@@ -19,7 +19,7 @@ using testing::all_close;
 using testing::seeded_generator;
 
 constexpr int64_t kWidth = 8;
-constexpr int64_t kBatch = 16;
+constexpr int64_t kPipelineBatch = 16;
 
 /// Stage `index` of the model: Linear + Tanh, drawn from its own seed (threads share the global
 /// generator, so it is not used).
@@ -47,8 +47,8 @@ class PipelineExecutor : public ::testing::TestWithParam<ScheduleCase> {};
 TEST_P(PipelineExecutor, LossAndGradientsEqualTheWholeModel) {
   const auto [name, world, per_rank] = GetParam();
   const int64_t num_stages = world * per_rank;
-  const auto x = testing::rank_randn({kBatch, kWidth}, 1, 0);
-  const auto y = testing::rank_randn({kBatch, kWidth}, 2, 0);
+  const auto x = testing::rank_randn({kPipelineBatch, kWidth}, 1, 0);
+  const auto y = testing::rank_randn({kPipelineBatch, kWidth}, 2, 0);
   testing::run_on_mesh(world, testing::test_options(1, world), [&](const Mesh& mesh) {
     const int64_t rank = mesh.pp_rank();
     // The reference: all stages in a row, on this thread alone.
@@ -129,8 +129,8 @@ TEST(PipelineExecutorErrors, AStageThatCannotTakeItsInputNamesBothStages) {
 TEST(PipelineExecutorErrors, AFailureReachesEveryRankAtOnceAndResetRecovers) {
   // Rank 1's stage throws in its second forward: both ranks raise well before the 20 s group
   // timeout, naming rank 1, stage 1 and micro-batch 1; after reset() a step equals the model's.
-  const auto x = testing::rank_randn({kBatch, kWidth}, 1, 0);
-  const auto y = testing::rank_randn({kBatch, kWidth}, 2, 0);
+  const auto x = testing::rank_randn({kPipelineBatch, kWidth}, 1, 0);
+  const auto y = testing::rank_randn({kPipelineBatch, kWidth}, 2, 0);
   const auto errors = testing::run_on_mesh_collecting_errors(
       2,
       [](int) { return InitOptions().pp(2).timeout(std::chrono::seconds(20)); },

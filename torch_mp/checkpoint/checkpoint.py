@@ -21,11 +21,13 @@ the data-parallel size or on whether the optimizer was sharded.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -127,8 +129,62 @@ def save(
 
     Crash-safe: the directory is written under a temporary name and renamed into place (over
     an earlier checkpoint at ``path``) only when every rank's file is complete. A failure on
-    any rank raises on every rank, naming it, and leaves ``path`` as it was.
+    any rank raises on every rank, naming it, and leaves ``path`` as it was. Every block (and
+    ``extra.pt``) is written with its CRC-32C, which :func:`load` and :func:`verify` check.
+    An :func:`async_save` still running is waited for first.
     """
+    request = _save_request(path, model, optimizer, extra, rename, mesh)
+    _C.checkpoint.save(*request, _world_name())
+
+
+def async_save(
+    path: str | os.PathLike,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Any = None,
+    *,
+    rename: Rename | Sequence[Rename] = None,
+    mesh: Mesh | None = None,
+) -> _C.checkpoint.AsyncSave:
+    """:func:`save` in the background: what it will write is copied before it returns (to
+    pinned CPU memory from a GPU, a copy on a CPU), so training may change the parameters and
+    the optimizer state at once; a thread then writes the copy, crash-safe as :func:`save`.
+    Collective over every rank of the mesh, with the same arguments as :func:`save`.
+
+    A save still running is waited for first (and its failure raised, if nobody has waited for
+    it); so is one at the end of the program. The background save talks over a Gloo group of
+    its own, made the first time.
+
+    Returns:
+        A handle: ``handle.wait()`` blocks until the checkpoint is published and raises, on
+        every rank alike, what the save raised; ``handle.done()`` says whether it has finished.
+    """
+    group = _background_group()  # collective the first time: before any rank can fail alone
+    request = _save_request(path, model, optimizer, extra, rename, mesh)
+    return _C.checkpoint.async_save(*request, group.group_name)
+
+
+_background_groups: dict[str, dist.ProcessGroup] = {}
+
+
+def _background_group() -> dist.ProcessGroup:
+    """The Gloo group over the world that background saves use: their collectives on a group
+    that training uses too would interleave with training's."""
+    world = _world_name()
+    if world not in _background_groups:
+        default = dist.distributed_c10d._get_default_group()
+        timeout = None
+        for device in ("cpu", "cuda"):
+            with contextlib.suppress(Exception):
+                timeout = default._get_backend(torch.device(device)).options._timeout
+                break
+        _background_groups[world] = dist.new_group(backend="gloo", timeout=timeout)
+        atexit.register(_C.checkpoint.wait_for_pending_save)
+    return _background_groups[world]
+
+
+def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
+    """What this rank's save writes: the arguments of the core's save but the group."""
     mesh = mesh or get_mesh()
     shards: list = []
     values: dict[str, Any] = {}
@@ -164,9 +220,7 @@ def save(
         _C.checkpoint.shard_file(pp, t) for pp in range(mesh.pp_size) for t in range(mesh.tp_size)
     ]
     mine = _C.checkpoint.shard_file(mesh.pp_rank, mesh.tp_rank) if mesh.dp_rank == 0 else None
-    _C.checkpoint.save(
-        os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}, _world_name()
-    )
+    return os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}
 
 
 def _state_by_parameter(optimizer: torch.optim.Optimizer | None) -> dict:
@@ -214,10 +268,16 @@ def load(
     Raises:
         RuntimeError: On every rank, if the checkpoint is incomplete (no index: a save that did
             not finish; a shard file missing) or lacks a tensor this layout needs, naming it;
-            nothing is changed then.
+            nothing is changed then. On every rank too if a block read fails its checksum
+            (a damaged file), naming the file and the tensor.
+
+    Warns:
+        UserWarning: If the checkpoint records no checksums (saved by an older torch_mp): it
+            loads, but cannot be verified.
     """
     mesh = mesh or get_mesh()
     reader = _C.checkpoint.Reader(os.fspath(path), _world_name())
+    _warn_if_unchecked(reader)
     metadata = reader.metadata
     shards: list = []
     states: list[tuple[nn.Parameter, str, torch.Tensor]] = []
@@ -248,10 +308,72 @@ def load(
         else:
             for p, state in loaded.items():
                 optimizer.state[p].update(state)
-    extra_path = os.path.join(reader.path, EXTRA)
-    if os.path.exists(extra_path):
-        return torch.load(extra_path, weights_only=False)
+    problems = []
+    with _collected(problems):
+        extra = reader.root_file(EXTRA)  # checked against its checksum
+    _raise_anywhere(problems, f"torch_mp.checkpoint: cannot load {reader.path}", None)
+    if extra is not None:
+        return torch.load(io.BytesIO(extra), weights_only=False)
     return {k[len("extra/") :]: v for k, v in metadata.items() if k.startswith("extra/")}
+
+
+def _warn_if_unchecked(reader) -> None:
+    unchecked = reader.unchecked_files
+    if unchecked:
+        warnings.warn(
+            f"torch_mp.checkpoint: {reader.path} records no checksums (saved before torch_mp "
+            "recorded them, or by another program), so what is read of it cannot be verified: "
+            + ", ".join(os.path.basename(f) for f in unchecked),
+            stacklevel=3,
+        )
+
+
+class CorruptBlock(str):
+    """A part of a checkpoint that fails its check, as :func:`verify` lists it: the message
+    (naming the file and the tensor), with its parts as attributes.
+
+    Attributes:
+        file: The file, relative to the checkpoint directory (a dense file: its path).
+        key: The tensor's key in the file (``<name>@<dim>:<first index>`` for a block of a
+            sharded tensor); empty when the file as a whole is bad (missing, unreadable).
+        tensor: The dense name of the tensor the block belongs to (empty as for ``key``).
+    """
+
+    file: str
+    key: str
+    tensor: str
+
+    def __new__(cls, block) -> CorruptBlock:
+        self = super().__new__(cls, block.message)
+        self.file, self.key, self.tensor = block.file, block.key, block.tensor
+        return self
+
+
+def verify(path: str | os.PathLike, *, threads: int | None = None) -> list[CorruptBlock]:
+    """Checks every block of the checkpoint directory (or dense file) ``path`` against the
+    checksum saved with it, without loading it into a model: each shard file's tensor blocks,
+    ``extra.pt``, the index. Not collective; the files are read ``threads`` at a time (one per
+    core when None). ``python -m torch_mp.checkpoint verify PATH`` does the same from a shell.
+
+    Returns:
+        Every corrupt block (or missing or unreadable file), in file order; empty when the
+        checkpoint is intact.
+
+    Raises:
+        RuntimeError: If there is no checkpoint or file at ``path``.
+
+    Warns:
+        UserWarning: If files record no checksums (saved by an older torch_mp, or by another
+            program): they could not be verified.
+    """
+    report = _C.checkpoint.verify(os.fspath(path), threads or 0)
+    if report.unchecked:
+        warnings.warn(
+            f"torch_mp.checkpoint.verify: {os.fspath(path)} has files without checksums, which "
+            "cannot be verified: " + ", ".join(report.unchecked),
+            stacklevel=2,
+        )
+    return [CorruptBlock(block) for block in report.corrupt]
 
 
 @contextlib.contextmanager
@@ -383,6 +505,7 @@ def load_dense(
     anything changes."""
     mesh = mesh or get_mesh()
     reader = _C.checkpoint.Reader(os.fspath(path), _world_name(), MODEL)
+    _warn_if_unchecked(reader)
     shards: list = []
     problems: list[str] = []
     with _collected(problems):

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <mutex>
 #include <unordered_set>
 
+#include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/optimizer_state.h"
 #include "torch_mp/tensor_parallel/blocks.h"
 
@@ -114,12 +116,21 @@ std::vector<DenseTensor> dense_tensors(const torch::nn::Module& module, const Re
   return out;
 }
 
-void save(const std::string& path,
-          const std::vector<Stage>& stages,
-          torch::optim::Optimizer* optimizer,
-          const std::map<std::string, std::string>& extra,
-          std::shared_ptr<Mesh> mesh) {
-  mesh = mesh ? mesh : get_mesh();
+namespace {
+
+// What this rank's save of `stages` and `optimizer` writes (shard_writer.h's save's arguments).
+struct SaveRequest {
+  std::vector<Shard> shards;
+  std::optional<std::string> file;
+  std::vector<std::string> files;
+  std::map<std::string, std::string> metadata;
+};
+
+SaveRequest save_request(const std::string& path,
+                         const std::vector<Stage>& stages,
+                         torch::optim::Optimizer* optimizer,
+                         const std::map<std::string, std::string>& extra,
+                         const std::shared_ptr<Mesh>& mesh) {
   std::vector<Shard> shards;
   std::vector<std::string> problems;
   collect_problems(problems, [&] {
@@ -178,7 +189,83 @@ void save(const std::string& path,
   const auto file = mesh->dp_rank() == 0
                         ? std::optional<std::string>(shard_file(mesh->pp_rank(), mesh->tp_rank()))
                         : std::nullopt;
-  checkpoint::save(path, shards, file, files, metadata, {}, mesh->world);
+  return {std::move(shards), file, std::move(files), std::move(metadata)};
+}
+
+// The group background saves over `mesh` use: a Gloo group over its world of their own (the
+// save's collectives would interleave with training's on a shared one), made once per world
+// (and kept with it, so that no other world can take its address).
+GroupPtr background_group(const Mesh& mesh) {
+  static std::mutex mutex;
+  static std::map<const c10d::ProcessGroup*, std::pair<GroupPtr, GroupPtr>> groups;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto known = groups.find(mesh.world.get());
+    if (known != groups.end()) {
+      return known->second.second;
+    }
+  }
+  // Made without the lock: ranks that are threads of one process (tests) make theirs at once.
+  TORCH_CHECK(mesh.store,
+              "torch_mp::checkpoint::async_save: the mesh has no store to make the background "
+              "save's group over (make it with torch_mp::init or make_mesh)");
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  try {
+    timeout =
+        mesh.world->getBackend(c10d::ProcessGroup::BackendType::GLOO)->getBackendOptions()->timeout;
+  } catch (const std::exception&) {
+    // An NCCL world: the default timeout.
+  }
+  // Store keys of its own, agreed over the world (rank 0's clock).
+  const std::string name = "torch_mp/checkpoint/" + save_tag(mesh.world);
+  auto group = new_process_group(c10::make_intrusive<c10d::PrefixStore>(name, mesh.store),
+                                 static_cast<int>(mesh.rank),
+                                 static_cast<int>(mesh.shape.world_size()),
+                                 Backend::kGloo,
+                                 timeout,
+                                 "torch_mp/checkpoint");
+  std::lock_guard<std::mutex> lock(mutex);
+  groups[mesh.world.get()] = {mesh.world, group};
+  return group;
+}
+
+void warn_if_unchecked(const Reader& reader) {
+  if (const auto unchecked = reader.unchecked_files(); !unchecked.empty()) {
+    TORCH_WARN("torch_mp::checkpoint: ",
+               reader.path(),
+               " records no checksums (saved before torch_mp recorded them, or by another "
+               "program), so what is read of it cannot be verified: ",
+               summary_of(unchecked));
+  }
+}
+
+}  // namespace
+
+void save(const std::string& path,
+          const std::vector<Stage>& stages,
+          torch::optim::Optimizer* optimizer,
+          const std::map<std::string, std::string>& extra,
+          std::shared_ptr<Mesh> mesh) {
+  mesh = mesh ? mesh : get_mesh();
+  const auto request = save_request(path, stages, optimizer, extra, mesh);
+  checkpoint::save(
+      path, request.shards, request.file, request.files, request.metadata, {}, mesh->world);
+}
+
+std::shared_ptr<AsyncSave> async_save(const std::string& path,
+                                      const std::vector<Stage>& stages,
+                                      torch::optim::Optimizer* optimizer,
+                                      const std::map<std::string, std::string>& extra,
+                                      std::shared_ptr<Mesh> mesh) {
+  mesh = mesh ? mesh : get_mesh();
+  const auto request = save_request(path, stages, optimizer, extra, mesh);
+  return checkpoint::async_save(path,
+                                request.shards,
+                                request.file,
+                                request.files,
+                                request.metadata,
+                                {},
+                                background_group(*mesh));
 }
 
 std::map<std::string, std::string> load(const std::string& path,
@@ -187,6 +274,7 @@ std::map<std::string, std::string> load(const std::string& path,
                                         std::shared_ptr<Mesh> mesh) {
   mesh = mesh ? mesh : get_mesh();
   const Reader reader(path, mesh->world);
+  warn_if_unchecked(reader);
   // Optimizer state is read into new tensors, and replaces what the optimizer holds once
   // everything has been read; the model is written in place (Reader::load checks on every
   // rank that everything is there before it writes anything).
@@ -253,6 +341,7 @@ void load_dense(const std::string& path,
                 std::shared_ptr<Mesh> mesh) {
   mesh = mesh ? mesh : get_mesh();
   const Reader reader(path, mesh->world, kModel);
+  warn_if_unchecked(reader);
   std::vector<Shard> shards;
   std::vector<std::string> problems;
   collect_problems(problems, [&] { shards = model_shards(all_dense_tensors(stages), *mesh); });

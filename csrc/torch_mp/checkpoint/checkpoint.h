@@ -5,6 +5,10 @@
 //
 //   torch_mp::checkpoint::save("ckpt", {{stage, rename}}, &optimizer, {{"step", "100"}});
 //   const auto extra = torch_mp::checkpoint::load("ckpt", {{stage, rename}}, &optimizer);
+//   auto saving = torch_mp::checkpoint::async_save("ckpt", {{stage, rename}}, &optimizer);
+//   ...  // training goes on
+//   saving->wait();
+//   torch_mp::checkpoint::verify("ckpt");  // every block against its checksum (verify.h)
 //
 // Tensors are named as in the dense model: a tensor-parallel module's parameters as its dense
 // counterpart names them (ParallelTransformerLayer's "self_attn.qkv.weight" is
@@ -60,10 +64,23 @@ void save(const std::string& path,
           const std::map<std::string, std::string>& extra = {},
           std::shared_ptr<Mesh> mesh = nullptr);
 
+/// save in the background (async_save.h): what it will write is copied before it returns
+/// (to pinned CPU memory from a GPU), so training may change the parameters and the optimizer
+/// state at once; a thread then writes the copy, crash-safe as save. A save still running is
+/// waited for first. Collective. Errors surface, on every rank, at the handle's wait(). The
+/// background save talks over a Gloo group of its own, made (once) over `mesh`'s store.
+std::shared_ptr<AsyncSave> async_save(const std::string& path,
+                                      const std::vector<Stage>& stages,
+                                      torch::optim::Optimizer* optimizer = nullptr,
+                                      const std::map<std::string, std::string>& extra = {},
+                                      std::shared_ptr<Mesh> mesh = nullptr);
+
 /// Loads a checkpoint saved by either front end, at any layout, into `stages` and `optimizer`'s
 /// state (its hyperparameters stay as constructed). Collective. Returns the `extra` it was
 /// saved with. Raises on every rank, naming what is missing or misshapen, before changing
-/// anything.
+/// anything, and naming the file and the tensor of a block that fails its checksum. Warns
+/// when the checkpoint records no checksums (saved by an older torch_mp): it cannot be
+/// verified.
 std::map<std::string, std::string> load(const std::string& path,
                                         const std::vector<Stage>& stages,
                                         torch::optim::Optimizer* optimizer = nullptr,

@@ -9,6 +9,7 @@
 #include <iterator>
 #include <sstream>
 
+#include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/json.h"
 
 namespace torch_mp::checkpoint {
@@ -24,6 +25,11 @@ std::string index_text(const Index& index) {
   for (auto it = index.metadata.begin(); it != index.metadata.end(); ++it) {
     out << (it == index.metadata.begin() ? "\n  " : ",\n  ") << quoted(it->first) << ": "
         << quoted(it->second);
+  }
+  out << "\n },\n \"checksums\": {";
+  for (auto it = index.checksums.begin(); it != index.checksums.end(); ++it) {
+    out << (it == index.checksums.begin() ? "\n  " : ",\n  ") << quoted(it->first) << ": "
+        << quoted(checksum_text(it->second));
   }
   out << "\n }\n}\n";
   return out.str();
@@ -55,6 +61,13 @@ Index read_index(const std::string& directory) {
   if (fields.count("metadata")) {
     for (const auto& [key, value] : fields.at("metadata").object) {
       index.metadata[key] = value.string;
+    }
+  }
+  if (fields.count("checksums")) {
+    for (const auto& [name, value] : fields.at("checksums").object) {
+      const auto crc = parse_checksum(value.string);
+      TORCH_CHECK(crc, index_path, ": malformed checksum '", value.string, "' of ", name);
+      index.checksums.emplace(name, *crc);
     }
   }
   TORCH_CHECK(fields.count("files"), index_path, " lists no files");

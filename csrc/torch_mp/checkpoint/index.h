@@ -8,8 +8,14 @@
 //    "files": ["shard-0-0.safetensors", "shard-0-1.safetensors"],
 //    "metadata": {
 //     "step": "100"
+//    },
+//    "checksums": {
+//     "extra.pt": "1a2b3c4d"
 //    }
 //   }
+//
+// "checksums" holds the CRC-32C (checksum.h) of the other files a save writes beside the shard
+// files (whose tensors carry their own); older indexes lack it.
 
 #include <cstdint>
 #include <map>
@@ -31,9 +37,11 @@ struct Index {
   std::vector<std::string> files;
   /// The metadata given to save.
   std::map<std::string, std::string> metadata;
+  /// The CRC-32C of each root file (name -> crc), none in an index written without them.
+  std::map<std::string, uint32_t> checksums;
 };
 
-/// The text of the index listing `index.files` and `index.metadata`.
+/// The text of the index listing `index.files`, `index.metadata` and `index.checksums`.
 std::string index_text(const Index& index);
 
 /// Reads the index of the checkpoint directory `directory`. Raises, naming it, if it has none

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <vector>
 
+#include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/json.h"
 
 namespace torch_mp::checkpoint {
@@ -53,37 +54,78 @@ at::ScalarType dtype_of(const std::string& name, const std::string& path) {
   TORCH_CHECK(false, path, ": unknown safetensors dtype '", name, "'");
 }
 
+uint32_t crc32c_of(const at::Tensor& cpu) { return crc32c(cpu.data_ptr(), cpu.nbytes()); }
+
+// The metadata entry recording `checksums` (by tensor name).
+std::string checksum_entry(const std::map<std::string, uint32_t>& checksums) {
+  std::string text = "{";
+  for (const auto& [name, crc] : checksums) {
+    text += (text.size() > 1 ? "," : "") + quoted(name) + ":" + quoted(checksum_text(crc));
+  }
+  return text + "}";
+}
+
+// The checksums that the metadata entry `text` of the file `path` records.
+std::map<std::string, uint32_t> parse_checksum_entry(const std::string& text,
+                                                     const std::string& path) {
+  const auto json = parse_json(text, path + ": malformed checksums in the header");
+  TORCH_CHECK(json.kind == JsonValue::Kind::kObject, path, ": malformed checksums in the header");
+  std::map<std::string, uint32_t> checksums;
+  for (const auto& [name, value] : json.object) {
+    const auto crc = parse_checksum(value.string);
+    TORCH_CHECK(crc, path, ": malformed checksum '", value.string, "' of ", name);
+    checksums.emplace(name, *crc);
+  }
+  return checksums;
+}
+
+// Raises checksum_problem's problem, if any.
+void check_checksum(const std::string& path,
+                    const Header& header,
+                    const std::string& name,
+                    const at::Tensor& data) {
+  if (const auto problem = checksum_problem(path, header, name, data)) {
+    TORCH_CHECK(false, *problem);
+  }
+}
+
 }  // namespace
 
 void save_file(const TensorMap& tensors,
                const std::string& path,
-               const std::map<std::string, std::string>& metadata) {
-  std::ostringstream header;
-  header << "{";
-  bool first = true;
-  if (!metadata.empty()) {
-    header << "\"__metadata__\":{";
-    for (auto it = metadata.begin(); it != metadata.end(); ++it) {
-      header << (it == metadata.begin() ? "" : ",") << quoted(it->first) << ":"
-             << quoted(it->second);
-    }
-    header << "}";
-    first = false;
-  }
+               const std::map<std::string, std::string>& metadata_in) {
+  TORCH_CHECK(!metadata_in.count(kChecksumKey),
+              "safetensors: the metadata key '",
+              kChecksumKey,
+              "' is reserved for the checksums (writing ",
+              path,
+              ")");
   std::vector<at::Tensor> data;
-  int64_t offset = 0;
+  std::map<std::string, uint32_t> checksums;
   for (const auto& [name, tensor] : tensors) {
-    const auto cpu = tensor.detach().to(at::kCPU).contiguous();
+    data.push_back(tensor.detach().to(at::kCPU).contiguous());
+    checksums.emplace(name, crc32c_of(data.back()));
+  }
+  auto metadata = metadata_in;
+  metadata.emplace(kChecksumKey, checksum_entry(checksums));
+  std::ostringstream header;
+  header << "{\"__metadata__\":{";
+  for (auto it = metadata.begin(); it != metadata.end(); ++it) {
+    header << (it == metadata.begin() ? "" : ",") << quoted(it->first) << ":" << quoted(it->second);
+  }
+  header << "}";
+  int64_t offset = 0;
+  size_t index = 0;
+  for (const auto& [name, tensor] : tensors) {
+    const auto& cpu = data[index++];
     const auto bytes = static_cast<int64_t>(cpu.nbytes());
-    header << (first ? "" : ",") << quoted(name) << ":{\"dtype\":\""
-           << name_of(cpu.scalar_type(), name) << "\",\"shape\":[";
+    header << "," << quoted(name) << ":{\"dtype\":\"" << name_of(cpu.scalar_type(), name)
+           << "\",\"shape\":[";
     for (int64_t d = 0; d < cpu.dim(); ++d) {
       header << (d ? "," : "") << cpu.size(d);
     }
     header << "],\"data_offsets\":[" << offset << "," << offset + bytes << "]}";
-    first = false;
     offset += bytes;
-    data.push_back(cpu);
   }
   header << "}";
   std::string text = header.str();
@@ -146,7 +188,11 @@ Header read_header(const std::string& path) {
   for (const auto& [name, entry] : json.object) {
     if (name == "__metadata__") {
       for (const auto& [key, value] : entry.object) {
-        header.metadata[key] = value.string;
+        if (key == kChecksumKey) {
+          header.checksums = parse_checksum_entry(value.string, path);
+        } else {
+          header.metadata[key] = value.string;
+        }
       }
       continue;
     }
@@ -180,6 +226,27 @@ Header read_header(const std::string& path) {
   return header;
 }
 
+std::optional<std::string> checksum_problem(const std::string& path,
+                                            const Header& header,
+                                            const std::string& name,
+                                            const at::Tensor& data) {
+  if (header.checksums.empty()) {
+    return std::nullopt;
+  }
+  const auto recorded = header.checksums.find(name);
+  if (recorded == header.checksums.end()) {
+    return path + ": the header records no checksum for tensor " + name +
+           " (the header is damaged)";
+  }
+  const uint32_t actual = crc32c_of(data);
+  if (actual == recorded->second) {
+    return std::nullopt;
+  }
+  return path + ": tensor " + name + " is corrupt: its bytes have CRC-32C " +
+         checksum_text(actual) + " where the file records " + checksum_text(recorded->second) +
+         " (the file changed after it was written: a bad disk or a torn copy)";
+}
+
 TensorMap load_tensors(const std::string& path,
                        const Header& header,
                        const std::vector<std::string>& names) {
@@ -196,6 +263,7 @@ TensorMap load_tensors(const std::string& path,
       in.read(static_cast<char*>(tensor.data_ptr()), static_cast<std::streamsize>(tensor.nbytes()));
       TORCH_CHECK(in, path, ": reading ", name, " failed");
     }
+    check_checksum(path, header, name, tensor);
     tensors[name] = tensor;
   }
   return tensors;
@@ -228,6 +296,7 @@ void load_into(const std::string& path,
   in.read(static_cast<char*>(destination.data_ptr()),
           static_cast<std::streamsize>(destination.nbytes()));
   TORCH_CHECK(in, path, ": reading ", name, " failed");
+  check_checksum(path, header, name, destination);
 }
 
 TensorMap load_file(const std::string& path, std::map<std::string, std::string>* metadata) {

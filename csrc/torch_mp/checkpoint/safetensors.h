@@ -6,13 +6,19 @@
 //   tensor bytes (little-endian, C order), at the offsets the header gives
 //
 //   header: {"<name>": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, ...,
-//            "__metadata__": {"<key>": "<value>"}}
+//            "__metadata__": {"<key>": "<value>", "crc32c": "{\"<name>\": \"1a2b3c4d\", ...}"}}
+//
+// torch_mp records every tensor's CRC-32C (checksum.h) in the metadata entry "crc32c" (a JSON
+// object, as a string, since safetensors metadata values are strings) and checks it whenever it
+// reads the tensor, so a damaged file is refused, naming it and the tensor, instead of loaded.
+// Files without the entry (other writers', torch_mp's before it) are read unchecked.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,10 +27,14 @@ namespace torch_mp::checkpoint {
 /// Tensors by name, in name order.
 using TensorMap = std::map<std::string, at::Tensor>;
 
-/// Writes `tensors` (copied to CPU) and `metadata` to `path`, atomically: into a temporary file
-/// beside it, flushed to disk, then renamed over `path`, so that a process killed mid-write
-/// leaves the previous file whole. Raises on a dtype safetensors cannot hold (F64, F32, F16,
-/// BF16, I64, I32, I16, I8, U8 and BOOL can) or an I/O error, naming the file.
+/// The metadata key under which a file's checksums are recorded.
+inline constexpr const char* kChecksumKey = "crc32c";
+
+/// Writes `tensors` (copied to CPU), their checksums and `metadata` to `path`, atomically: into
+/// a temporary file beside it, flushed to disk, then renamed over `path`, so that a process
+/// killed mid-write leaves the previous file whole. Raises on a dtype safetensors cannot hold
+/// (F64, F32, F16, BF16, I64, I32, I16, I8, U8 and BOOL can), on metadata under the reserved
+/// key "crc32c", or on an I/O error, naming the file.
 void save_file(const TensorMap& tensors,
                const std::string& path,
                const std::map<std::string, std::string>& metadata = {});
@@ -37,30 +47,47 @@ struct TensorEntry {
   uint64_t end = 0;
 };
 
-/// A safetensors file's header: its tensors by name and its metadata.
+/// A safetensors file's header: its tensors by name, its metadata (without the checksums) and
+/// the checksums it records.
 struct Header {
   std::map<std::string, TensorEntry> tensors;
   std::map<std::string, std::string> metadata;
+  /// Each tensor's CRC-32C by name; empty for a file written without them.
+  std::map<std::string, uint32_t> checksums;
   uint64_t data_start = 0;
+
+  /// Whether the file records checksums (one without tensors needs none).
+  bool checksummed() const { return !checksums.empty() || tensors.empty(); }
 };
 
 /// Reads only the header of the safetensors file `path` (checked against the file's size).
 Header read_header(const std::string& path);
 
-/// Reads the tensors `names` (on CPU) of the file `path`, whose header is `header`.
+/// What is wrong with `data`, read as the tensor `name` of the file `path`: its CRC-32C is not
+/// the one `header` records, or the file records checksums but none for it. nullopt when it
+/// is intact, or the file records no checksums.
+std::optional<std::string> checksum_problem(const std::string& path,
+                                            const Header& header,
+                                            const std::string& name,
+                                            const at::Tensor& data);
+
+/// Reads the tensors `names` (on CPU) of the file `path`, whose header is `header`, each
+/// checked against its checksum. Raises, naming the file and the tensor, on a mismatch.
 TensorMap load_tensors(const std::string& path,
                        const Header& header,
                        const std::vector<std::string>& names);
 
 /// Reads the tensor `name` of the file `path` straight into `destination`, a contiguous CPU
-/// tensor of its dtype and number of elements.
+/// tensor of its dtype and number of elements, checked against its checksum (raises as
+/// load_tensors).
 void load_into(const std::string& path,
                const Header& header,
                const std::string& name,
                const at::Tensor& destination);
 
 /// Reads a safetensors file: its tensors (on CPU) and, if `metadata` is given, its metadata.
-/// Raises, naming the file, if it is not safetensors or is cut short.
+/// Raises, naming the file, if it is not safetensors, is cut short or a tensor fails its
+/// checksum.
 TensorMap load_file(const std::string& path,
                     std::map<std::string, std::string>* metadata = nullptr);
 

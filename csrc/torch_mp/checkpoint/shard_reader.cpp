@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "torch_mp/checkpoint/atomic_files.h"
+#include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/index.h"
 #include "torch_mp/checkpoint/problems.h"
 
@@ -91,6 +94,7 @@ void Reader::open_directory(const std::string& path) {
   path_ = checkpoint_directory(path);
   Index index = read_index(path_);
   metadata_ = std::move(index.metadata);
+  root_checksums_ = std::move(index.checksums);
   std::vector<std::string> missing;
   for (const auto& name : index.files) {
     const auto file = (fs::path(path_) / name).string();
@@ -101,6 +105,39 @@ void Reader::open_directory(const std::string& path) {
     files_.emplace_back(file, read_header(file));
   }
   TORCH_CHECK(missing.empty(), path_, " lacks ", summary_of(missing));
+}
+
+std::vector<std::string> Reader::unchecked_files() const {
+  std::vector<std::string> unchecked;
+  for (const auto& [file, header] : files_) {
+    if (!header.checksummed()) {
+      unchecked.push_back(file);
+    }
+  }
+  return unchecked;
+}
+
+std::optional<std::string> Reader::root_file(const std::string& name) const {
+  const auto file = fs::path(path_) / name;
+  if (fs::is_regular_file(path_) || !fs::exists(file)) {
+    return std::nullopt;
+  }
+  std::ifstream in(file, std::ios::binary);
+  std::string contents{std::istreambuf_iterator<char>(in), {}};
+  TORCH_CHECK(in.good() || in.eof(), "reading ", file.string(), " failed");
+  const auto recorded = root_checksums_.find(name);
+  if (recorded != root_checksums_.end()) {
+    const uint32_t actual = crc32c(contents.data(), contents.size());
+    TORCH_CHECK(actual == recorded->second,
+                file.string(),
+                " is corrupt: its bytes have CRC-32C ",
+                checksum_text(actual),
+                " where ",
+                kIndex,
+                " records ",
+                checksum_text(recorded->second));
+  }
+  return contents;
 }
 
 void Reader::add_piece(size_t f,

@@ -45,10 +45,18 @@ class Reader {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   /// The directory or file read.
   const std::string& path() const { return path_; }
+  /// The files that record no checksums (written before torch_mp recorded them, or by another
+  /// program): what is read of them cannot be verified.
+  std::vector<std::string> unchecked_files() const;
+  /// The contents of the root file `name` (as save's root_files, e.g. "extra.pt"), checked
+  /// against the checksum the index records for it; nullopt if the checkpoint has no such
+  /// file. Raises, naming it, if it is corrupt.
+  std::optional<std::string> root_file(const std::string& name) const;
 
   /// Fills every shard's tensor with its part of the checkpoint's tensor of its name (padding
-  /// rows with zeros). Collective over `group`: if any rank's shard is missing, has another
-  /// dense shape or is not covered, every rank raises, naming them, before anything changes.
+  /// rows with zeros), each block read checked against its checksum. Collective over `group`: if
+  /// any rank's shard is missing, has another dense shape or is not covered, every rank raises,
+  /// naming them, before anything changes.
   void load(const std::vector<Shard>& shards, const GroupPtr& group) const;
 
  private:
@@ -88,6 +96,7 @@ class Reader {
   std::map<std::string, Tensor> tensors_;
   std::map<std::string, std::vector<Piece>> pieces_;
   std::map<std::string, std::string> metadata_;
+  std::map<std::string, uint32_t> root_checksums_;
 };
 
 /// Writes the checkpoint (directory or dense file) `source` as one dense safetensors file at

@@ -8,7 +8,9 @@
 
 #include <filesystem>
 
+#include "torch_mp/checkpoint/async_save.h"
 #include "torch_mp/checkpoint/atomic_files.h"
+#include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/index.h"
 #include "torch_mp/checkpoint/problems.h"
 #include "torch_mp/checkpoint/safetensors.h"
@@ -57,14 +59,16 @@ void write_shard_file(const std::vector<Shard>& shards, const std::string& path)
 }
 
 // Rank 0, once every rank wrote its shard file into `partial`: the root files, then the index
-// (which must list only files written), then `partial` moved into place as `path`.
+// (which must list only files written, and records the root files' checksums), then `partial`
+// moved into place as `path`.
 void publish(const std::string& partial,
              const std::string& path,
              const std::string& tag,
-             const Index& index,
+             Index index,
              const std::map<std::string, std::string>& root_files) {
   for (const auto& [name, contents] : root_files) {
     write_durably((fs::path(partial) / name).string(), contents);
+    index.checksums[name] = crc32c(contents.data(), contents.size());
   }
   for (const auto& file : index.files) {
     TORCH_CHECK(fs::exists(fs::path(partial) / file), "no rank wrote ", file);
@@ -80,13 +84,24 @@ std::string shard_file(int64_t pp, int64_t tp) {
   return "shard-" + std::to_string(pp) + "-" + std::to_string(tp) + ".safetensors";
 }
 
-void save(const std::string& path_in,
+void save(const std::string& path,
           const std::vector<Shard>& shards,
           const std::optional<std::string>& file,
           const std::vector<std::string>& files,
           const std::map<std::string, std::string>& metadata,
           const std::map<std::string, std::string>& root_files,
           const GroupPtr& group) {
+  wait_for_pending_save();
+  write_checkpoint(path, shards, file, files, metadata, root_files, group);
+}
+
+void write_checkpoint(const std::string& path_in,
+                      const std::vector<Shard>& shards,
+                      const std::optional<std::string>& file,
+                      const std::vector<std::string>& files,
+                      const std::map<std::string, std::string>& metadata,
+                      const std::map<std::string, std::string>& root_files,
+                      const GroupPtr& group) {
   const std::string what = "torch_mp::checkpoint::save of " + path_in + " failed";
   const std::string path = fs::absolute(path_in).lexically_normal().string();
   const bool root = !group || group->getRank() == 0;

@@ -24,7 +24,10 @@ std::string shard_file(int64_t pp, int64_t tp);
 /// Crash-safe: everything is written into a directory beside `path`, which replaces `path` (an
 /// earlier checkpoint is set aside first and removed last) only once every rank has written its
 /// file; at every moment `path`, or the earlier checkpoint set aside, is complete. A failure on
-/// any rank raises on every rank, naming it, and leaves `path` as it was.
+/// any rank raises on every rank, naming it, and leaves `path` as it was. Every tensor block
+/// and root file is written with its CRC-32C (checksum.h), which every read checks.
+///
+/// A background save of this process still running (async_save.h) is waited for first.
 void save(const std::string& path,
           const std::vector<Shard>& shards,
           const std::optional<std::string>& file,
@@ -32,5 +35,14 @@ void save(const std::string& path,
           const std::map<std::string, std::string>& metadata,
           const std::map<std::string, std::string>& root_files,
           const GroupPtr& group);
+
+/// save without waiting for a background save first: what async_save's thread runs.
+void write_checkpoint(const std::string& path,
+                      const std::vector<Shard>& shards,
+                      const std::optional<std::string>& file,
+                      const std::vector<std::string>& files,
+                      const std::map<std::string, std::string>& metadata,
+                      const std::map<std::string, std::string>& root_files,
+                      const GroupPtr& group);
 
 }  // namespace torch_mp::checkpoint

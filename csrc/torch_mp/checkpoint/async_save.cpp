@@ -1,0 +1,110 @@
+// Saves in the background (async_save.h).
+
+#include "torch_mp/checkpoint/async_save.h"
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+#include "torch_mp/checkpoint/shard_writer.h"
+
+namespace torch_mp::checkpoint {
+namespace {
+
+// The last save started by this thread (a rank's; ranks that are threads of one process,
+// as in tests, each have their own).
+thread_local std::shared_ptr<AsyncSave> pending_save;
+
+}  // namespace
+
+AsyncSave::AsyncSave(std::string path, std::function<void()> write) : path_(std::move(path)) {
+  thread_ = std::thread([this, write = std::move(write)] {
+    std::exception_ptr error;
+    try {
+      write();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    error_ = error;
+    finished_ = true;
+  });
+}
+
+AsyncSave::~AsyncSave() {
+  if (thread_.joinable()) {
+    thread_.join();
+  }
+}
+
+void AsyncSave::wait() {
+  join();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (error_) {
+    reported_ = true;
+    std::rethrow_exception(error_);
+  }
+}
+
+bool AsyncSave::done() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return finished_;
+}
+
+void AsyncSave::join() {
+  std::lock_guard<std::mutex> lock(join_mutex_);
+  if (thread_.joinable()) {
+    thread_.join();
+  }
+}
+
+at::Tensor snapshot(const at::Tensor& tensor) {
+  const auto source = tensor.detach();
+  if (source.is_cpu()) {
+    return source.clone(at::MemoryFormat::Contiguous);
+  }
+  auto copy =
+      at::empty(source.sizes(), source.options().device(at::kCPU).pinned_memory(source.is_cuda()));
+  copy.copy_(source);
+  return copy;
+}
+
+std::shared_ptr<AsyncSave> async_save(const std::string& path,
+                                      const std::vector<Shard>& shards,
+                                      const std::optional<std::string>& file,
+                                      const std::vector<std::string>& files,
+                                      const std::map<std::string, std::string>& metadata,
+                                      const std::map<std::string, std::string>& root_files,
+                                      const GroupPtr& group) {
+  wait_for_pending_save();
+  std::vector<Shard> copies;
+  for (const auto& shard : file ? shards : std::vector<Shard>{}) {
+    if (!shard.dim && shard.rank != 0) {
+      continue;  // a whole tensor that another rank of its group writes
+    }
+    copies.push_back(shard);
+    copies.back().tensor = snapshot(shard.tensor);
+  }
+  auto handle = std::make_shared<AsyncSave>(
+      path, [path, copies = std::move(copies), file, files, metadata, root_files, group] {
+        write_checkpoint(path, copies, file, files, metadata, root_files, group);
+      });
+  pending_save = handle;
+  return handle;
+}
+
+void wait_for_pending_save() {
+  const auto save = std::move(pending_save);
+  pending_save = nullptr;
+  if (!save) {
+    return;
+  }
+  save->join();
+  std::lock_guard<std::mutex> lock(save->mutex_);
+  if (save->error_ && !save->reported_) {
+    save->reported_ = true;
+    std::rethrow_exception(save->error_);
+  }
+}
+
+}  // namespace torch_mp::checkpoint
