@@ -1,4 +1,6 @@
-"""Checkpoint save and load throughput per rank: torch_mp.checkpoint beside torch.save/torch.load.
+"""Checkpoint save and load throughput per rank: torch_mp.checkpoint beside torch.save/torch.load;
+what a save stalls a training loop, with ``save`` and with ``async_save``; what the checksums
+cost.
 
 Run on CPU with Gloo (2 ranks, tensor parallel)::
 
@@ -20,6 +22,13 @@ tensors of each rank:
 MB/s is this rank's bytes (weights and optimizer state; 10^6 bytes) over the slowest rank's
 time, median of ``--repeats`` rounds, alternating the two sides. Files go to ``--dir`` (default:
 a temporary directory), so loads read from the page cache as a resume right after a save does.
+
+Then a training loop (forward, backward and AdamW step of the same model on one batch) runs
+``--steps`` steps three times: without saving, with ``checkpoint.save`` every ``--save-every``
+steps, and with ``checkpoint.async_save`` (waited for at the end): how long each save call held
+the loop up, and the whole loop's time against the one without saves. Last, the CRC-32C that
+every block is written with, over this rank's bytes, against the save's own time, and
+``checkpoint.verify`` of the checkpoint against its load.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import torch_mp
-from torch_mp import checkpoint
+from torch_mp import _C, checkpoint
 
 MB = 1e6
 
@@ -70,11 +79,56 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def training_loop(model, optimizer, args, mesh, path) -> dict[str, tuple[list[float], float]]:
+    """Per setup: how long each save call held the loop up, and the whole loop's time (the
+    slowest rank's)."""
+    x = torch.randn(16, 2, args.hidden)
+    results = {}
+    for what in ("no saves", "save", "async_save"):
+        stalls: list[float] = []
+        dist.barrier()
+        start = time.perf_counter()
+        saving = None
+        for step in range(1, args.steps + 1):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+            if what != "no saves" and step % args.save_every == 0:
+                called = time.perf_counter()
+                if what == "save":
+                    checkpoint.save(path, model, optimizer, mesh=mesh)
+                else:
+                    saving = checkpoint.async_save(path, model, optimizer, mesh=mesh)
+                stalls.append(time.perf_counter() - called)
+        if saving is not None:
+            saving.wait()
+        total = torch.tensor([time.perf_counter() - start, *stalls], dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        results[what] = (total[1:].tolist(), total[0].item())
+    return results
+
+
+def crc_seconds(model, optimizer) -> float:
+    """The time of the CRC-32C of every tensor this rank saves (median of 5)."""
+    tensors = [p.detach() for p in model.parameters()]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for tensor in tensors:
+            _C.checkpoint.crc32c(tensor)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=12, help="of the training loop")
+    parser.add_argument("--save-every", type=int, default=4, help="of the training loop")
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -119,6 +173,9 @@ def main() -> None:
         assert torch.equal(p, q)
 
     median = {k: statistics.median(v) for k, v in times.items()}
+    loop = training_loop(model, optimizer, args, mesh, os.path.join(root, "loop"))
+    crc = crc_seconds(model, optimizer)
+    verify_seconds = timed(lambda: checkpoint.verify(ours_dir))
     if rank == 0:
         print(
             f"checkpoint throughput: {args.layers} x ParallelTransformerLayer({args.hidden}) at "
@@ -133,6 +190,21 @@ def main() -> None:
             ours, base = median[f"ours {what.split('+')[0]}"], median[f"torch {what}"]
             rates = f"{nbytes / MB / ours:.0f} | {nbytes / MB / base:.0f}"
             print(f"| {what} | {rates} | {ours / base:.2f} |")
+        print(
+            f"\ntraining loop: {args.steps} steps, a checkpoint every {args.save_every} "
+            "(the slowest rank's times)"
+        )
+        print("| | each save call held the loop (ms, median) | loop (s) | loop / no saves |")
+        print("|---|---|---|---|")
+        for what, (stalls, total) in loop.items():
+            held = f"{1e3 * statistics.median(stalls):.0f}" if stalls else "-"
+            print(f"| {what} | {held} | {total:.2f} | {total / loop['no saves'][1]:.2f} |")
+        print(
+            f"\nCRC-32C over this rank's {nbytes / MB:.0f} MB: {1e3 * crc:.0f} ms "
+            f"({nbytes / crc / 1e9:.1f} GB/s), {100 * crc / median['ours save']:.0f} % of a "
+            f"save's time; checkpoint.verify (all {mesh.tp_size} files, on one rank at a time): "
+            f"{1e3 * verify_seconds:.0f} ms against {1e3 * median['ours load']:.0f} ms to load"
+        )
     dist.barrier()
     if rank == 0 and args.dir is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "python/common.h"
+#include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/safetensors.h"
 #include "torch_mp/checkpoint/shards.h"
 
@@ -115,6 +116,15 @@ void bind_checkpoint(py::module_& parent) {
         &ckpt::wait_for_pending_save,
         py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "crc32c",
+      [](const at::Tensor& tensor) {
+        const auto bytes = tensor.contiguous();
+        py::gil_scoped_release release;
+        return ckpt::crc32c(bytes.data_ptr(), bytes.nbytes());
+      },
+      py::arg("tensor"),
+      "The CRC-32C of a CPU tensor's bytes, as checkpoints record it.");
   py::class_<ckpt::CorruptBlock>(m, "CorruptBlock", "A part of a checkpoint that fails its check.")
       .def_readonly("file", &ckpt::CorruptBlock::file)
       .def_readonly("key", &ckpt::CorruptBlock::key)

@@ -34,7 +34,9 @@
 //
 // Checkpoints (torch_mp::checkpoint, the format Python's torch_mp.checkpoint reads and writes):
 // --save-every N saves the model and AdamW state to --checkpoint DIR every N steps, in the dense
-// model's names; --resume continues from DIR, whatever layout (or front end) saved it. --probe
+// model's names, in the background (torch_mp::checkpoint::async_save: a snapshot, then written
+// while the next steps run); --resume continues from DIR, whatever layout (or front end) saved
+// it. --probe
 // FILE writes, at the end, the dense model's logits on one batch (the model exported with
 // torch_mp::checkpoint::export_dense and rebuilt on rank 0), for comparison with Python.
 
@@ -412,6 +414,7 @@ int run(int argc, char** argv) {
   const int64_t global_batch = a.batch * mesh->dp_size();
   double worst_loss = 0.0, worst_table = 0.0;
   const auto synced = a.check ? scratch_file(a, "sync") : std::string();
+  std::shared_ptr<torch_mp::checkpoint::AsyncSave> saving;  // the checkpoint being written
   const auto start = std::chrono::steady_clock::now();
   for (int step = first_step; step <= a.steps; ++step) {
     const auto [inputs, target] = corpus.batch(step, global_batch, a.seq);
@@ -472,8 +475,14 @@ int run(int argc, char** argv) {
       std::fflush(stdout);
     }
     if (a.save_every > 0 && step % a.save_every == 0) {
-      torch_mp::checkpoint::save(
+      saving = torch_mp::checkpoint::async_save(
           a.checkpoint, stages, &optimizer, {{"step", std::to_string(step)}}, mesh);
+    }
+  }
+  if (saving) {
+    saving->wait();
+    if (is_rank0) {
+      std::printf("checkpoints saved in the background to %s\n", a.checkpoint.c_str());
     }
   }
   if (!a.probe.empty()) {

@@ -28,7 +28,9 @@ package) with AdamW (warm-up, then cosine decay) and gradient clipping
   masks: the same gradients, less activation memory.
 
 - Checkpoints (``--save-every N --checkpoint DIR``, ``--resume``): model and AdamW state in the
-  dense model's names (torch_mp.checkpoint), so a run saved at one layout resumes at another.
+  dense model's names (torch_mp.checkpoint), so a run saved at one layout resumes at another;
+  saved in the background (``checkpoint.async_save``: a snapshot, then written while the next
+  steps run), each block with its checksum.
 
 Run on CPU with Gloo (tp * pp * dp processes)::
 
@@ -36,7 +38,7 @@ Run on CPU with Gloo (tp * pp * dp processes)::
         --tp 2 --pp 2 --dp 2 --schedule 1f1b --check
 
 Killed and relaunched, it continues from its last checkpoint (``--fail-at-step`` kills rank 1
-once, to try it)::
+once, to try it, when the last checkpoint is on disk)::
 
     torchrun --standalone --nproc-per-node=2 --max-restarts 1 examples/python/gpt_3d.py \\
         --pp 2 --save-every 2 --resume --fail-at-step 5 --check
@@ -253,13 +255,17 @@ def main(argv: list[str] | None = None) -> int:
             reference.load_parameters(trainer.dense_state(everywhere=True))
         if rank == 0:
             print(f"resumed from {args.checkpoint} after step {first - 1}", flush=True)
+    saving, save_stalls = None, []  # the checkpoint being written, the time each save took
     start = time.perf_counter()
     for step in range(first, args.steps + 1):
         inputs, target = corpus.batch(step, global_batch, args.seq)
         mine = slice(mesh.dp_rank * args.batch, (mesh.dp_rank + 1) * args.batch)
         first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if step == args.fail_at_step and first_launch and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # as a machine failure would
+        if step == args.fail_at_step and first_launch:
+            if saving is not None:  # (so that the relaunch resumes from a known step)
+                saving.wait()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # as a machine failure would
         loss = trainer.step(inputs[mine], target[mine])
         tokens_per_s = global_batch * args.seq * (step - first + 1) / (time.perf_counter() - start)
         line = progress(step, args.steps, loss, tokens_per_s)
@@ -276,7 +282,17 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(line, flush=True)
         if args.save_every and step % args.save_every == 0:
-            trainer.save(args.checkpoint, step)
+            stall = time.perf_counter()
+            saving = trainer.save(args.checkpoint, step, background=True)  # written meanwhile
+            save_stalls.append(time.perf_counter() - stall)
+    if saving is not None:
+        saving.wait()
+        if rank == 0:
+            print(
+                f"checkpoints saved in the background to {args.checkpoint}: each stalled "
+                f"training for {1e3 * max(save_stalls):.1f} ms at most (the snapshot)",
+                flush=True,
+            )
     if args.trace:
         trace = trainer.pipe.gathered_trace()  # a collective over the pipeline group
         if rank == 0 and trace is not None:

@@ -37,6 +37,15 @@ TEST(Crc32c, MatchesThePublishedCheckValues) {
               crc32c(text.data(), text.size()))
         << cut;
   }
+  // A long buffer (three-stream chunks where the CPU has the instruction) as its short pieces
+  // (one stream each).
+  const auto noise = at::randint(256, {100003}, at::kByte);
+  const auto* data = noise.data_ptr<uint8_t>();
+  uint32_t pieces = 0;
+  for (int64_t at = 0; at < noise.numel(); at += 1000) {
+    pieces = crc32c(data + at, std::min<int64_t>(1000, noise.numel() - at), pieces);
+  }
+  EXPECT_EQ(crc32c(data, noise.numel()), pieces);
   EXPECT_EQ(parse_checksum(checksum_text(0x0000beefu)), 0x0000beefu);
   EXPECT_FALSE(parse_checksum("beef").has_value());
 }

@@ -133,3 +133,4 @@ def test_gpt_3d_killed_and_relaunched_by_torchrun_resumes_and_matches_one_proces
     )
     assert f"resumed from {tmp_path / 'ckpt'} after step 4" in stdout
     assert "step 6/6" in stdout
+    assert "checkpoints saved in the background" in stdout  # checkpoint.async_save

@@ -160,11 +160,14 @@ class Trainer3D:
             dist.gather_object(mine, parts, dst=0)
         return None if parts is None else {k: v for part in parts for k, v in part.items()}
 
-    def save(self, path: str, step: int) -> None:
+    def save(self, path: str, step: int, *, background: bool = False):
         """Saves the model and the optimizer in DenseGPT's names (every rank): loadable at
-        any other tp x pp x dp, from Python or C++."""
+        any other tp x pp x dp, from Python or C++. With ``background``, from a snapshot
+        while training goes on (:func:`torch_mp.checkpoint.async_save`): returns its handle
+        at once (``wait()`` for it)."""
         renames = [stage.dense_names() for stage in self.stages]
-        checkpoint.save(path, self.stages, self.optimizer, {"step": step}, rename=renames)
+        save = checkpoint.async_save if background else checkpoint.save
+        return save(path, self.stages, self.optimizer, {"step": step}, rename=renames)
 
     def load(self, path: str) -> int:
         """Loads a checkpoint saved at any layout; returns the step it was saved after."""
