@@ -25,8 +25,9 @@ a temporary directory), so loads read from the page cache as a resume right afte
 
 Then a training loop (forward, backward and AdamW step of the same model on one batch) runs
 ``--steps`` steps three times: without saving, with ``checkpoint.save`` every ``--save-every``
-steps, and with ``checkpoint.async_save`` (waited for at the end): how long each save call held
-the loop up, and the whole loop's time against the one without saves. Last, the CRC-32C that
+steps (not after the last steps), and with ``checkpoint.async_save`` (the last one waited for
+at the end): how long each save call held the loop up, and the whole loop's time against the
+one without saves. Last, the CRC-32C that
 every block is written with, over this rank's bytes, against the save's own time, and
 ``checkpoint.verify`` of the checkpoint against its load.
 """
@@ -93,7 +94,8 @@ def training_loop(model, optimizer, args, mesh, path) -> dict[str, tuple[list[fl
             optimizer.zero_grad()
             model(x).square().mean().backward()
             optimizer.step()
-            if what != "no saves" and step % args.save_every == 0:
+            # No save after the last steps: each has --save-every steps to overlap with.
+            if what != "no saves" and step % args.save_every == 0 and step < args.steps:
                 called = time.perf_counter()
                 if what == "save":
                     checkpoint.save(path, model, optimizer, mesh=mesh)
@@ -127,7 +129,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=12, help="of the training loop")
+    parser.add_argument("--steps", type=int, default=16, help="of the training loop")
     parser.add_argument("--save-every", type=int, default=4, help="of the training loop")
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
