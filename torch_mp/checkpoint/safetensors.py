@@ -6,6 +6,8 @@ bytes, then the tensors' bytes, little-endian, C order.
 
 Writes are atomic: the file is written beside its destination under a temporary name, flushed
 to disk and renamed over it, so a process killed mid-write leaves the previous file whole.
+Every tensor's CRC-32C is recorded in the metadata entry ``crc32c`` and checked when it is read
+(docs/checkpoint-format.md §9.1).
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ def save_file(
     path: str | os.PathLike,
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Writes ``tensors`` (any device; written from CPU copies) and ``metadata`` to ``path``,
-    atomically.
+    """Writes ``tensors`` (any device; written from CPU copies), their CRC-32C and
+    ``metadata`` to ``path``, atomically.
 
     Raises:
         RuntimeError: On a dtype safetensors cannot hold (F64, F32, F16, BF16, I64, I32, I16,
-            I8, U8 and BOOL can) or an I/O error, naming the tensor or file.
+            I8, U8 and BOOL can), metadata under the reserved key ``crc32c``, or an I/O error,
+            naming the tensor or file.
     """
     _C.checkpoint.save_file(
         {str(name): tensor.detach() for name, tensor in tensors.items()},
@@ -40,11 +43,12 @@ def save_file(
 
 
 def load_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Reads a safetensors file: its tensors (on the CPU) and its metadata.
+    """Reads a safetensors file: its tensors (on the CPU) and its metadata (without the
+    checksums).
 
     Raises:
-        RuntimeError: If the file cannot be read, is not safetensors or is cut short, naming
-            what is wrong.
+        RuntimeError: If the file cannot be read, is not safetensors, is cut short or a tensor
+            fails its checksum, naming what is wrong.
     """
     tensors, metadata = _C.checkpoint.load_file(os.fspath(path))
     return dict(tensors), dict(metadata)

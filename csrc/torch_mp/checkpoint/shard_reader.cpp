@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "torch_mp/checkpoint/async_save.h"
 #include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/index.h"
@@ -68,6 +69,7 @@ void zero_padding(const std::vector<Shard>& shards) {
 }  // namespace
 
 Reader::Reader(const std::string& path, const GroupPtr& group, const std::string& dense_prefix) {
+  wait_for_pending_save();  // (what this rank saves in the background may be what it reads)
   std::vector<std::string> problems;
   collect_problems(problems, [&] {
     const bool dense = fs::is_regular_file(path);

@@ -27,7 +27,8 @@ class Reader {
   /// its two renames set aside), or the dense safetensors file `path`, whose tensors are then
   /// read as "<dense_prefix><key>". Collective over `group` (may be null): a checkpoint that
   /// is incomplete (no index.json: its save did not finish), lacks a file, or is not one, is
-  /// refused on every rank, naming what is wrong.
+  /// refused on every rank, naming what is wrong. A background save of this rank still running
+  /// (async_save.h) is waited for first.
   Reader(const std::string& path,
          const GroupPtr& group,
          const std::string& dense_prefix = "model/");
