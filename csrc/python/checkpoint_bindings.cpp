@@ -119,7 +119,7 @@ void bind_checkpoint(py::module_& parent) {
   m.def(
       "crc32c",
       [](const at::Tensor& tensor) {
-        const auto bytes = tensor.contiguous();
+        const auto bytes = tensor.detach().cpu().contiguous();
         py::gil_scoped_release release;
         return ckpt::crc32c(bytes.data_ptr(), bytes.nbytes());
       },

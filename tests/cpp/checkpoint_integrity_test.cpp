@@ -50,6 +50,14 @@ TEST(Crc32c, MatchesThePublishedCheckValues) {
   EXPECT_FALSE(parse_checksum("beef").has_value());
 }
 
+TEST(AsyncSave, ASnapshotIsACopyThatLaterChangesDoNotReach) {
+  auto tensor = at::arange(6, at::kFloat).view({2, 3}).t();  // not contiguous
+  const auto copy = snapshot(tensor);
+  tensor.add_(1);
+  EXPECT_TRUE(copy.equal(at::arange(6, at::kFloat).view({2, 3}).t()));
+  EXPECT_TRUE(copy.is_contiguous());
+}
+
 /// A column-parallel Linear (sharded over the tensor group) and a LayerNorm (replicated), from
 /// dense ones drawn with `seed`.
 struct PairImpl : torch::nn::Module {

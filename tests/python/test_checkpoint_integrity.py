@@ -26,7 +26,7 @@ from reference import error_of, use_mesh
 from test_checkpoint import LR, TARGETS, _dense_model, _parallel_step
 from test_checkpoint_dense import _stage_and_rename
 
-from torch_mp import checkpoint
+from torch_mp import _C, checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -135,12 +135,81 @@ def test_verify_lists_exactly_the_damaged_blocks_and_a_clean_checkpoint_verifies
         assert f"{file}: tensor {key} is corrupt" in run.stdout
 
 
-def test_a_damaged_extra_is_refused_on_every_rank(saved, tmp_path):
+def test_a_damaged_or_missing_extra_is_refused_on_every_rank(saved, tmp_path):
     path = str(tmp_path / "ckpt")
     shutil.copytree(saved, path)
     _flip(os.path.join(path, "extra.pt"))
     for message in get_world(2).run(_load, path):
         assert "extra.pt is corrupt" in message, message
+    os.remove(os.path.join(path, "extra.pt"))
+    for message in get_world(2).run(_load, path):
+        assert "lacks extra.pt, which it was saved with" in message, message
+
+
+def _rewrite_header(file: str, change) -> None:
+    """Rewrites the header of the safetensors file ``file`` by ``change(text) -> text`` (of the
+    same length, so that the data stays where it is)."""
+    start, _ = _header(file)
+    with open(file, "r+b") as f:
+        f.seek(8)
+        text = f.read(start - 8).decode()
+        changed = change(text)
+        assert len(changed) == len(text) and changed != text
+        f.seek(8)
+        f.write(changed.encode())
+
+
+def test_a_damaged_header_or_index_is_refused_on_every_rank(saved, tmp_path):
+    # One dtype letter (F32 read as I32: the same bytes, other values), the checksums' own key,
+    # and a digit of a hyperparameter in index.json: each is refused, and verify names it.
+    damages = {
+        "dtype": ("shard-0-1.safetensors", lambda t: t.replace('"F32"', '"I32"', 1)),
+        "checksum key": (
+            "shard-0-0.safetensors",
+            lambda t: t.replace("torch_mp.crc32c", "torch_mp.crc32d"),
+        ),
+    }
+    for what, (file, change) in damages.items():
+        path = str(tmp_path / what.replace(" ", "_"))
+        shutil.copytree(saved, path)
+        _rewrite_header(os.path.join(path, file), change)
+        for message in get_world(2).run(_load, path):
+            assert f"{file}: the header is corrupt" in message, (what, message)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the file's checksums are not found: unchecked)
+            blocks = checkpoint.verify(path)
+        assert (file, "") in [(b.file, b.key) for b in blocks], what
+        assert {b.file for b in blocks} == {file}, what
+    path = str(tmp_path / "index")
+    shutil.copytree(saved, path)
+    index = os.path.join(path, "index.json")
+    with open(index) as f:
+        text = f.read()
+    assert "0.01" in text  # the learning rate, in param_groups
+    with open(index, "w") as f:
+        f.write(text.replace("0.01", "0.03", 1))
+    for message in get_world(2).run(_load, path):
+        assert "index.json is corrupt" in message, message
+    assert [b.file for b in checkpoint.verify(path)] == ["index.json"]
+
+
+def _crc32c(data: bytes) -> int:
+    """CRC-32C bit by bit, from its definition (reflected polynomial 0x82F63B78)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_the_checksum_is_crc32c_as_defined():
+    assert _crc32c(b"123456789") == 0xE3069283
+    for size in (0, 1, 7, 8, 4096, 3 * 4096, 3 * 4096 + 13, 40000):  # short, and three streams
+        data = torch.randint(
+            0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size)
+        )
+        assert _C.checkpoint.crc32c(data) == _crc32c(bytes(data.tolist())), size
 
 
 def _strip_checksums(path: str) -> None:
@@ -149,7 +218,7 @@ def _strip_checksums(path: str) -> None:
         file = os.path.join(path, name)
         if name.endswith(".safetensors"):
             start, header = _header(file)
-            del header["__metadata__"]["crc32c"]
+            del header["__metadata__"]["torch_mp.crc32c"]
             text = json.dumps(header).encode()
             text += b" " * (-len(text) % 8)
             with open(file, "rb") as f:
@@ -160,7 +229,8 @@ def _strip_checksums(path: str) -> None:
         elif name == "index.json":
             with open(file) as f:
                 index = json.load(f)
-            del index["checksums"]
+            for field in ("checksums", "header_checksums", "index_crc32c"):
+                del index[field]
             with open(file, "w") as f:
                 json.dump(index, f)
 
@@ -213,21 +283,33 @@ def test_a_damaged_dense_export_is_refused_and_the_file_stays_safetensors(tmp_pa
     with pytest.raises(RuntimeError, match=f"tensor {key} is corrupt"):
         checkpoint.load_file(file)
     assert [(b.file, b.key) for b in checkpoint.verify(file)] == [(file, key)]
+    # A dense file has no index: its tensors' checksums cover their dtype and shape too.
+    world.run(_export, file)
+    _rewrite_header(file, lambda t: t.replace('"F32"', '"I32"', 1))
+    with pytest.raises(RuntimeError, match="is corrupt"):
+        checkpoint.load_file(file)
 
 
-def _async_save_then_train(path: str, reference: str) -> None:
+BIG = torch.ones(32 << 20)  # 128 MiB of extra: a write that lasts while training steps run
+
+
+def _async_save_then_train(path: str, reference: str) -> bool:
     """Saves (synchronously, as the reference) and starts an async save of the same state,
-    then trains three steps before waiting for it."""
+    then trains three steps before waiting for it; returns whether the save was still running
+    when the steps were done."""
     mesh = use_mesh(2)
     stage, rename = _stage_and_rename(_dense_model(), mesh)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=LR)
     _parallel_step(stage, optimizer, TARGETS[0])
-    checkpoint.save(reference, stage, optimizer, extra={"step": 1}, rename=rename)
-    handle = checkpoint.async_save(path, stage, optimizer, extra={"step": 1}, rename=rename)
+    extra = {"step": 1, "big": BIG}
+    checkpoint.save(reference, stage, optimizer, extra=extra, rename=rename)
+    handle = checkpoint.async_save(path, stage, optimizer, extra=extra, rename=rename)
     for i in range(3):
         _parallel_step(stage, optimizer, TARGETS[i % 2])  # in place, while the save writes
+    overlapped = not handle.done()
     handle.wait()
     assert handle.done()
+    return overlapped
 
 
 def _load_at_tp1(path: str) -> tuple[dict, dict]:
@@ -236,15 +318,18 @@ def _load_at_tp1(path: str) -> tuple[dict, dict]:
     stage, rename = _stage_and_rename(_dense_model(3), mesh)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=0.5)
     extra = checkpoint.load(path, stage, optimizer, rename=rename)
-    assert extra == {"step": 1}
+    assert extra["step"] == 1 and torch.equal(extra["big"], BIG)
     names = {p: n for n, p in stage.named_parameters()}
     moments = {names[p]: s["exp_avg"].clone() for p, s in optimizer.state.items()}
     return checkpoint.dense_state_dict(stage, rename), moments
 
 
 def test_an_async_save_holds_the_state_of_the_moment_of_the_call(tmp_path):
+    # At tp = 2 on four ranks (dp = 2: the data-parallel replicas write no file), loaded at
+    # tp = 1 on two.
     path, reference = str(tmp_path / "async"), str(tmp_path / "sync")
-    get_world(2).run(_async_save_then_train, path, reference)
+    overlapped = get_world(4).run(_async_save_then_train, path, reference)
+    assert overlapped[0], "the save was done before the training steps: nothing was tested"
     assert checkpoint.verify(path) == []
     for (weights, moments), (want_weights, want_moments) in zip(
         get_world(2).run(_load_at_tp1, path), get_world(2).run(_load_at_tp1, reference), strict=True
@@ -258,7 +343,7 @@ def test_an_async_save_holds_the_state_of_the_moment_of_the_call(tmp_path):
 def _two_async_saves_and_a_failing_one(root: str) -> tuple[bool, str | None]:
     mesh = use_mesh(2)
     stage, rename = _stage_and_rename(_dense_model(), mesh)
-    first = checkpoint.async_save(os.path.join(root, "a"), stage, rename=rename)
+    first = checkpoint.async_save(os.path.join(root, "a"), stage, extra=BIG, rename=rename)
     second = checkpoint.async_save(os.path.join(root, "b"), stage, rename=rename)
     first_done = first.done()  # the second waited for it
     second.wait()

@@ -1,6 +1,7 @@
 """``python -m torch_mp.checkpoint verify PATH [PATH ...]``: checks checkpoints (directories
 or dense safetensors files) against the CRC-32C saved with every block, without loading them
-into a model, and lists every corrupt block. Exits 1 if any is corrupt, 0 otherwise."""
+into a model, and lists every corrupt block. Exits 1 if any is corrupt, else 2 if files
+without checksums (which cannot be verified) were found, else 0."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=0, help="files read at once (0: a core each)"
     )
     args = parser.parse_args(argv)
-    corrupt = 0
+    corrupt = unverified = 0
     for path in args.paths:
         try:
             report = _C.checkpoint.verify(path, args.threads)
@@ -31,13 +32,19 @@ def main(argv: list[str] | None = None) -> int:
             print(block.message)
         for file in report.unchecked:
             print(f"{path}: {file} records no checksums: it cannot be verified")
-        state = f"{len(report.corrupt)} corrupt" if report.corrupt else "intact"
+        if report.corrupt:
+            state = f"{len(report.corrupt)} corrupt"
+        elif report.unchecked:
+            state = f"{len(report.unchecked)} files cannot be verified (no checksums)"
+        else:
+            state = "intact"
         print(
             f"{path}: {report.blocks} blocks in {report.files} files "
-            f"({report.bytes / 1e6:.1f} MB) checked: {state}"
+            f"({report.bytes / 1e6:.1f} MB) read: {state}"
         )
         corrupt += len(report.corrupt)
-    return 1 if corrupt else 0
+        unverified += len(report.unchecked)
+    return 1 if corrupt else 2 if unverified else 0
 
 
 if __name__ == "__main__":

@@ -164,23 +164,26 @@ def async_save(
     return _C.checkpoint.async_save(*request, group.group_name)
 
 
-_background_groups: dict[str, dist.ProcessGroup] = {}
+# The default group the background group was made over, and that group: made again when the
+# world is (a name can come back after destroy_process_group; the object cannot).
+_background: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
 
 def _background_group() -> dist.ProcessGroup:
     """The Gloo group over the world that background saves use: their collectives on a group
     that training uses too would interleave with training's."""
-    world = _world_name()
-    if world not in _background_groups:
-        default = dist.distributed_c10d._get_default_group()
+    global _background
+    default = dist.distributed_c10d._get_default_group()
+    if _background is None or _background[0] is not default:
         timeout = None
         for device in ("cpu", "cuda"):
             with contextlib.suppress(Exception):
                 timeout = default._get_backend(torch.device(device)).options._timeout
                 break
-        _background_groups[world] = dist.new_group(backend="gloo", timeout=timeout)
-        atexit.register(_C.checkpoint.wait_for_pending_save)
-    return _background_groups[world]
+        if _background is None:
+            atexit.register(_C.checkpoint.wait_for_pending_save)
+        _background = (default, dist.new_group(backend="gloo", timeout=timeout))
+    return _background[1]
 
 
 def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
@@ -283,6 +286,7 @@ def load(
     states: list[tuple[nn.Parameter, str, torch.Tensor]] = []
     problems: list[str] = []
     with _collected(problems):
+        extra = reader.root_file(EXTRA)  # checked against its checksum, before anything changes
         named = _all_dense_tensors(model, rename)
         shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
         if optimizer is not None:
@@ -308,10 +312,6 @@ def load(
         else:
             for p, state in loaded.items():
                 optimizer.state[p].update(state)
-    problems = []
-    with _collected(problems):
-        extra = reader.root_file(EXTRA)  # checked against its checksum
-    _raise_anywhere(problems, f"torch_mp.checkpoint: cannot load {reader.path}", None)
     if extra is not None:
         return torch.load(io.BytesIO(extra), weights_only=False)
     return {k[len("extra/") :]: v for k, v in metadata.items() if k.startswith("extra/")}
@@ -343,17 +343,20 @@ class CorruptBlock(str):
     key: str
     tensor: str
 
-    def __new__(cls, block) -> CorruptBlock:
-        self = super().__new__(cls, block.message)
-        self.file, self.key, self.tensor = block.file, block.key, block.tensor
+    def __new__(cls, message: str, file: str = "", key: str = "", tensor: str = "") -> CorruptBlock:
+        self = super().__new__(cls, message)
+        self.file, self.key, self.tensor = file, key, tensor
         return self
+
+    def __reduce__(self):
+        return CorruptBlock, (str(self), self.file, self.key, self.tensor)
 
 
 def verify(path: str | os.PathLike, *, threads: int | None = None) -> list[CorruptBlock]:
     """Checks every block of the checkpoint directory (or dense file) ``path`` against the
-    checksum saved with it, without loading it into a model: each shard file's tensor blocks,
-    ``extra.pt``, the index. Not collective; the files are read ``threads`` at a time (one per
-    core when None). ``python -m torch_mp.checkpoint verify PATH`` does the same from a shell.
+    checksum saved with it, without loading it into a model: each shard file's header and
+    tensor blocks, ``extra.pt``, the index. Not collective; the files are read ``threads`` at
+    a time (one per core when None). ``python -m torch_mp.checkpoint verify PATH`` does the same from a shell.
 
     Returns:
         Every corrupt block (or missing or unreadable file), in file order; empty when the
@@ -373,7 +376,7 @@ def verify(path: str | os.PathLike, *, threads: int | None = None) -> list[Corru
             "cannot be verified: " + ", ".join(report.unchecked),
             stacklevel=2,
         )
-    return [CorruptBlock(block) for block in report.corrupt]
+    return [CorruptBlock(b.message, b.file, b.key, b.tensor) for b in report.corrupt]
 
 
 @contextlib.contextmanager

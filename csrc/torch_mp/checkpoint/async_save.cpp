@@ -4,8 +4,10 @@
 
 #include <ATen/ATen.h>
 
+#include <iostream>
 #include <utility>
 
+#include "torch_mp/checkpoint/problems.h"
 #include "torch_mp/checkpoint/shard_writer.h"
 
 namespace torch_mp::checkpoint {
@@ -32,8 +34,17 @@ AsyncSave::AsyncSave(std::string path, std::function<void()> write) : path_(std:
 }
 
 AsyncSave::~AsyncSave() {
-  if (thread_.joinable()) {
-    thread_.join();
+  join();
+  if (error_ && !reported_) {  // a failure nobody waited for must not vanish
+    try {
+      std::rethrow_exception(error_);
+    } catch (const c10::Error& e) {
+      std::cerr << "torch_mp: a background checkpoint save nobody waited for failed: "
+                << e.what_without_backtrace() << std::endl;
+    } catch (const std::exception& e) {
+      std::cerr << "torch_mp: a background checkpoint save nobody waited for failed: " << e.what()
+                << std::endl;
+    }
   }
 }
 
@@ -77,14 +88,19 @@ std::shared_ptr<AsyncSave> async_save(const std::string& path,
                                       const std::map<std::string, std::string>& root_files,
                                       const GroupPtr& group) {
   wait_for_pending_save();
+  // The snapshot is agreed on: a rank that failed to take it alone would leave the others'
+  // background saves to pair up with its next one.
   std::vector<Shard> copies;
-  for (const auto& shard : file ? shards : std::vector<Shard>{}) {
-    if (!shard.dim && shard.rank != 0) {
-      continue;  // a whole tensor that another rank of its group writes
+  std::vector<std::string> problems;
+  collect_problems(problems, [&] {
+    for (const auto& shard : shards) {
+      if (file && writes(shard)) {
+        copies.push_back(shard);
+        copies.back().tensor = snapshot(shard.tensor);
+      }
     }
-    copies.push_back(shard);
-    copies.back().tensor = snapshot(shard.tensor);
-  }
+  });
+  raise_anywhere(problems, "torch_mp::checkpoint::async_save of " + path + " failed", group);
   auto handle = std::make_shared<AsyncSave>(
       path, [path, copies = std::move(copies), file, files, metadata, root_files, group] {
         write_checkpoint(path, copies, file, files, metadata, root_files, group);

@@ -11,8 +11,40 @@
 
 #include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/json.h"
+#include "torch_mp/checkpoint/safetensors.h"
 
 namespace torch_mp::checkpoint {
+namespace {
+
+constexpr const char* kIndexChecksumField = ",\n \"index_crc32c\": \"";
+
+void write_checksums(std::ostringstream& out,
+                     const char* field,
+                     const std::map<std::string, uint32_t>& checksums) {
+  out << ",\n " << quoted(field) << ": {";
+  for (auto it = checksums.begin(); it != checksums.end(); ++it) {
+    out << (it == checksums.begin() ? "\n  " : ",\n  ") << quoted(it->first) << ": "
+        << quoted(checksum_text(it->second));
+  }
+  out << "\n }";
+}
+
+std::map<std::string, uint32_t> read_checksums(const std::map<std::string, JsonValue>& fields,
+                                               const char* field,
+                                               const std::string& index_path) {
+  std::map<std::string, uint32_t> checksums;
+  if (!fields.count(field)) {
+    return checksums;
+  }
+  for (const auto& [name, value] : fields.at(field).object) {
+    const auto crc = parse_checksum(value.string);
+    TORCH_CHECK(crc, index_path, ": malformed checksum '", value.string, "' of ", name);
+    checksums.emplace(name, *crc);
+  }
+  return checksums;
+}
+
+}  // namespace
 
 std::string index_text(const Index& index) {
   std::ostringstream out;
@@ -26,13 +58,11 @@ std::string index_text(const Index& index) {
     out << (it == index.metadata.begin() ? "\n  " : ",\n  ") << quoted(it->first) << ": "
         << quoted(it->second);
   }
-  out << "\n },\n \"checksums\": {";
-  for (auto it = index.checksums.begin(); it != index.checksums.end(); ++it) {
-    out << (it == index.checksums.begin() ? "\n  " : ",\n  ") << quoted(it->first) << ": "
-        << quoted(checksum_text(it->second));
-  }
-  out << "\n }\n}\n";
-  return out.str();
+  out << "\n }";
+  write_checksums(out, "checksums", index.checksums);
+  write_checksums(out, "header_checksums", index.header_checksums);
+  const std::string text = out.str();
+  return text + kIndexChecksumField + checksum_text(crc32c(text.data(), text.size())) + "\"\n}\n";
 }
 
 Index read_index(const std::string& directory) {
@@ -44,6 +74,19 @@ Index read_index(const std::string& directory) {
               ": the save that wrote it did not finish");
   std::ifstream in(index_path);
   const std::string text{std::istreambuf_iterator<char>(in), {}};
+  // Its own checksum: of the text before the field that records it.
+  const auto field = text.rfind(kIndexChecksumField);
+  if (field != std::string::npos) {
+    const auto recorded =
+        parse_checksum(text.substr(field + std::string(kIndexChecksumField).size(), 8));
+    const uint32_t actual = crc32c(text.data(), field);
+    TORCH_CHECK(recorded && *recorded == actual,
+                index_path,
+                " is corrupt: its text has CRC-32C ",
+                checksum_text(actual),
+                " where it records ",
+                recorded ? checksum_text(*recorded) : std::string("a malformed one"));
+  }
   const auto json = parse_json(text, index_path + ": not a checkpoint index");
   const auto& fields = json.object;
   TORCH_CHECK(fields.count("format") && fields.at("format").string == kFormat,
@@ -63,18 +106,47 @@ Index read_index(const std::string& directory) {
       index.metadata[key] = value.string;
     }
   }
-  if (fields.count("checksums")) {
-    for (const auto& [name, value] : fields.at("checksums").object) {
-      const auto crc = parse_checksum(value.string);
-      TORCH_CHECK(crc, index_path, ": malformed checksum '", value.string, "' of ", name);
-      index.checksums.emplace(name, *crc);
-    }
-  }
+  index.checksums = read_checksums(fields, "checksums", index_path);
+  index.header_checksums = read_checksums(fields, "header_checksums", index_path);
   TORCH_CHECK(fields.count("files"), index_path, " lists no files");
   for (const auto& name : fields.at("files").array) {
     index.files.push_back(name.string);
   }
   return index;
+}
+
+std::optional<std::string> header_problem(const Index& index,
+                                          const std::string& directory,
+                                          const std::string& name) {
+  const auto recorded = index.header_checksums.find(name);
+  if (recorded == index.header_checksums.end()) {
+    return std::nullopt;
+  }
+  const auto path = (std::filesystem::path(directory) / name).string();
+  const uint32_t actual = header_checksum(path);
+  if (actual == recorded->second) {
+    return std::nullopt;
+  }
+  return path + ": the header is corrupt, or the file is not the one this checkpoint saved: its " +
+         "CRC-32C is " + checksum_text(actual) + " where " + kIndex + " records " +
+         checksum_text(recorded->second);
+}
+
+std::optional<std::string> root_file_problem(const Index& index,
+                                             const std::string& directory,
+                                             const std::string& name,
+                                             const std::string& contents) {
+  const auto recorded = index.checksums.find(name);
+  if (recorded == index.checksums.end()) {
+    return std::nullopt;
+  }
+  const uint32_t actual = crc32c(contents.data(), contents.size());
+  if (actual == recorded->second) {
+    return std::nullopt;
+  }
+  return (std::filesystem::path(directory) / name).string() +
+         " is corrupt: its bytes have CRC-32C " + checksum_text(actual) + " where " + kIndex +
+         " records " + checksum_text(recorded->second);
 }
 
 }  // namespace torch_mp::checkpoint

@@ -11,14 +11,22 @@
 //    },
 //    "checksums": {
 //     "extra.pt": "1a2b3c4d"
-//    }
+//    },
+//    "header_checksums": {
+//     "shard-0-0.safetensors": "5e6f7a8b", "shard-0-1.safetensors": "9c0d1e2f"
+//    },
+//    "index_crc32c": "3a4b5c6d"
 //   }
 //
 // "checksums" holds the CRC-32C (checksum.h) of the other files a save writes beside the shard
-// files (whose tensors carry their own); older indexes lack it.
+// files (whose tensors carry their own), "header_checksums" that of each shard file's header
+// (safetensors.h: header_checksum; it records the tensors' checksums in turn), and
+// "index_crc32c", last, that of the index's text before it. Indexes written before torch_mp
+// recorded checksums lack all three.
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,14 +47,32 @@ struct Index {
   std::map<std::string, std::string> metadata;
   /// The CRC-32C of each root file (name -> crc), none in an index written without them.
   std::map<std::string, uint32_t> checksums;
+  /// The CRC-32C of each shard file's header (name -> crc), likewise.
+  std::map<std::string, uint32_t> header_checksums;
 };
 
-/// The text of the index listing `index.files`, `index.metadata` and `index.checksums`.
+/// The text of the index listing `index.files`, `index.metadata` and the checksums, its own
+/// CRC-32C last.
 std::string index_text(const Index& index);
 
 /// Reads the index of the checkpoint directory `directory`. Raises, naming it, if it has none
-/// (the save that wrote it did not finish), it is not JSON, of another format or version, or
-/// lists no files.
+/// (the save that wrote it did not finish), it fails its own checksum, is not JSON, of another
+/// format or version, or lists no files.
 Index read_index(const std::string& directory);
+
+/// What is wrong with the shard file `name` of the checkpoint `directory`: its header's CRC-32C
+/// is not the one `index` records (a damaged header, or a file from another save). nullopt
+/// when it matches or the index records none.
+std::optional<std::string> header_problem(const Index& index,
+                                          const std::string& directory,
+                                          const std::string& name);
+
+/// What is wrong with `contents`, read from the root file `name` of the checkpoint
+/// `directory`: its CRC-32C is not the one `index` records. nullopt when it matches or the
+/// index records none.
+std::optional<std::string> root_file_problem(const Index& index,
+                                             const std::string& directory,
+                                             const std::string& name,
+                                             const std::string& contents);
 
 }  // namespace torch_mp::checkpoint

@@ -54,7 +54,15 @@ at::ScalarType dtype_of(const std::string& name, const std::string& path) {
   TORCH_CHECK(false, path, ": unknown safetensors dtype '", name, "'");
 }
 
-uint32_t crc32c_of(const at::Tensor& cpu) { return crc32c(cpu.data_ptr(), cpu.nbytes()); }
+// A tensor's checksum: the CRC-32C of its dtype and shape as the header gives them ("F32 2,3"),
+// then of its bytes, so that a damaged header entry is caught as a damaged byte is.
+uint32_t tensor_checksum(const char* dtype, c10::IntArrayRef shape, const at::Tensor& cpu) {
+  std::string described = std::string(dtype) + " ";
+  for (size_t d = 0; d < shape.size(); ++d) {
+    described += (d ? "," : "") + std::to_string(shape[d]);
+  }
+  return crc32c(cpu.data_ptr(), cpu.nbytes(), crc32c(described.data(), described.size()));
+}
 
 // The metadata entry recording `checksums` (by tensor name).
 std::string checksum_entry(const std::map<std::string, uint32_t>& checksums) {
@@ -104,7 +112,10 @@ void save_file(const TensorMap& tensors,
   std::map<std::string, uint32_t> checksums;
   for (const auto& [name, tensor] : tensors) {
     data.push_back(tensor.detach().to(at::kCPU).contiguous());
-    checksums.emplace(name, crc32c_of(data.back()));
+    checksums.emplace(
+        name,
+        tensor_checksum(
+            name_of(data.back().scalar_type(), name), data.back().sizes(), data.back()));
   }
   auto metadata = metadata_in;
   metadata.emplace(kChecksumKey, checksum_entry(checksums));
@@ -226,6 +237,25 @@ Header read_header(const std::string& path) {
   return header;
 }
 
+uint32_t header_checksum(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "safetensors: cannot open ", path);
+  unsigned char prefix[8] = {};
+  in.read(reinterpret_cast<char*>(prefix), 8);
+  TORCH_CHECK(in, path, ": not a safetensors file");
+  uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) {
+    length = (length << 8) | prefix[i];
+  }
+  in.seekg(0, std::ios::end);
+  TORCH_CHECK(8 + length <= static_cast<uint64_t>(in.tellg()), path, ": the header is cut short");
+  in.seekg(8);
+  std::string text(length, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(length));
+  TORCH_CHECK(in, path, ": reading the header failed");
+  return crc32c(text.data(), text.size(), crc32c(prefix, 8));
+}
+
 std::optional<std::string> checksum_problem(const std::string& path,
                                             const Header& header,
                                             const std::string& name,
@@ -238,7 +268,8 @@ std::optional<std::string> checksum_problem(const std::string& path,
     return path + ": the header records no checksum for tensor " + name +
            " (the header is damaged)";
   }
-  const uint32_t actual = crc32c_of(data);
+  const auto& entry = header.tensors.at(name);
+  const uint32_t actual = tensor_checksum(name_of(entry.dtype, name), entry.shape, data);
   if (actual == recorded->second) {
     return std::nullopt;
   }

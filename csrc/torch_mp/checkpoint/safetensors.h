@@ -6,12 +6,14 @@
 //   tensor bytes (little-endian, C order), at the offsets the header gives
 //
 //   header: {"<name>": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, ...,
-//            "__metadata__": {"<key>": "<value>", "crc32c": "{\"<name>\": \"1a2b3c4d\", ...}"}}
+//            "__metadata__": {"<key>": "<value>",
+//                             "torch_mp.crc32c": "{\"<name>\": \"1a2b3c4d\", ...}"}}
 //
-// torch_mp records every tensor's CRC-32C (checksum.h) in the metadata entry "crc32c" (a JSON
-// object, as a string, since safetensors metadata values are strings) and checks it whenever it
-// reads the tensor, so a damaged file is refused, naming it and the tensor, instead of loaded.
-// Files without the entry (other writers', torch_mp's before it) are read unchecked.
+// torch_mp records every tensor's CRC-32C (checksum.h) of its dtype, shape and bytes in the
+// metadata entry "torch_mp.crc32c" (a JSON object, as a string, since safetensors metadata
+// values are strings) and checks it whenever it reads the tensor, so a damaged file is
+// refused, naming it and the tensor, instead of loaded. Files without the entry (other
+// writers', torch_mp's before it) are read unchecked.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -28,13 +30,13 @@ namespace torch_mp::checkpoint {
 using TensorMap = std::map<std::string, at::Tensor>;
 
 /// The metadata key under which a file's checksums are recorded.
-inline constexpr const char* kChecksumKey = "crc32c";
+inline constexpr const char* kChecksumKey = "torch_mp.crc32c";
 
 /// Writes `tensors` (copied to CPU), their checksums and `metadata` to `path`, atomically: into
 /// a temporary file beside it, flushed to disk, then renamed over `path`, so that a process
 /// killed mid-write leaves the previous file whole. Raises on a dtype safetensors cannot hold
 /// (F64, F32, F16, BF16, I64, I32, I16, I8, U8 and BOOL can), on metadata under the reserved
-/// key "crc32c", or on an I/O error, naming the file.
+/// key "torch_mp.crc32c", or on an I/O error, naming the file.
 void save_file(const TensorMap& tensors,
                const std::string& path,
                const std::map<std::string, std::string>& metadata = {});
@@ -62,6 +64,11 @@ struct Header {
 
 /// Reads only the header of the safetensors file `path` (checked against the file's size).
 Header read_header(const std::string& path);
+
+/// The CRC-32C of the header of the safetensors file `path` (its 8-byte length and its JSON):
+/// what a checkpoint's index records of each shard file, so that a damaged header (a dtype,
+/// the checksums themselves) or a file from another save is caught.
+uint32_t header_checksum(const std::string& path);
 
 /// What is wrong with `data`, read as the tensor `name` of the file `path`: its CRC-32C is not
 /// the one `header` records, or the file records checksums but none for it. nullopt when it

@@ -94,15 +94,17 @@ Reader::Reader(const std::string& path, const GroupPtr& group, const std::string
 
 void Reader::open_directory(const std::string& path) {
   path_ = checkpoint_directory(path);
-  Index index = read_index(path_);
-  metadata_ = std::move(index.metadata);
-  root_checksums_ = std::move(index.checksums);
+  index_ = read_index(path_);
+  metadata_ = index_.metadata;
   std::vector<std::string> missing;
-  for (const auto& name : index.files) {
+  for (const auto& name : index_.files) {
     const auto file = (fs::path(path_) / name).string();
     if (!fs::exists(file)) {
       missing.push_back(name);
       continue;
+    }
+    if (const auto problem = header_problem(index_, path_, name)) {
+      TORCH_CHECK(false, *problem);
     }
     files_.emplace_back(file, read_header(file));
   }
@@ -121,23 +123,18 @@ std::vector<std::string> Reader::unchecked_files() const {
 
 std::optional<std::string> Reader::root_file(const std::string& name) const {
   const auto file = fs::path(path_) / name;
-  if (fs::is_regular_file(path_) || !fs::exists(file)) {
+  if (fs::is_regular_file(path_)) {
+    return std::nullopt;
+  }
+  if (!fs::exists(file)) {
+    TORCH_CHECK(!index_.checksums.count(name), path_, " lacks ", name, ", which it was saved with");
     return std::nullopt;
   }
   std::ifstream in(file, std::ios::binary);
   std::string contents{std::istreambuf_iterator<char>(in), {}};
   TORCH_CHECK(in.good() || in.eof(), "reading ", file.string(), " failed");
-  const auto recorded = root_checksums_.find(name);
-  if (recorded != root_checksums_.end()) {
-    const uint32_t actual = crc32c(contents.data(), contents.size());
-    TORCH_CHECK(actual == recorded->second,
-                file.string(),
-                " is corrupt: its bytes have CRC-32C ",
-                checksum_text(actual),
-                " where ",
-                kIndex,
-                " records ",
-                checksum_text(recorded->second));
+  if (const auto problem = root_file_problem(index_, path_, name, contents)) {
+    TORCH_CHECK(false, *problem);
   }
   return contents;
 }

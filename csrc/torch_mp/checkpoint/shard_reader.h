@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "torch_mp/checkpoint/index.h"
 #include "torch_mp/checkpoint/safetensors.h"
 #include "torch_mp/checkpoint/shard_geometry.h"
 #include "torch_mp/process_groups.h"
@@ -97,7 +98,7 @@ class Reader {
   std::map<std::string, Tensor> tensors_;
   std::map<std::string, std::vector<Piece>> pieces_;
   std::map<std::string, std::string> metadata_;
-  std::map<std::string, uint32_t> root_checksums_;
+  Index index_;  // a directory's (empty for a dense file)
 };
 
 /// Writes the checkpoint (directory or dense file) `source` as one dense safetensors file at

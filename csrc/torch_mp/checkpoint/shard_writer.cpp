@@ -45,7 +45,7 @@ void write_shard_file(const std::vector<Shard>& shards, const std::string& path)
   TensorMap tensors;
   std::map<std::string, std::string> shapes{{"format", std::string(kFormat) + " shard"}};
   for (const auto& shard : shards) {
-    if (!shard.dim && shard.rank != 0) {
+    if (!writes(shard)) {
       continue;  // a whole tensor: one rank of its group writes it
     }
     TORCH_CHECK(shard.name.find('@') == std::string::npos,
@@ -71,7 +71,9 @@ void publish(const std::string& partial,
     index.checksums[name] = crc32c(contents.data(), contents.size());
   }
   for (const auto& file : index.files) {
-    TORCH_CHECK(fs::exists(fs::path(partial) / file), "no rank wrote ", file);
+    const auto written = fs::path(partial) / file;
+    TORCH_CHECK(fs::exists(written), "no rank wrote ", file);
+    index.header_checksums[file] = header_checksum(written.string());
   }
   write_durably((fs::path(partial) / kIndex).string(), index_text(index));
   fsync_path(partial);

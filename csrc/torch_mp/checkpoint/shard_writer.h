@@ -13,6 +13,10 @@
 
 namespace torch_mp::checkpoint {
 
+/// Whether this rank writes `shard` into its file: its blocks of a sharded tensor, or a whole
+/// tensor when it is rank 0 of the group the tensor is replicated over.
+inline bool writes(const Shard& shard) { return shard.dim.has_value() || shard.rank == 0; }
+
 /// The file name of the pipeline rank `pp`'s tensor rank `tp` in a checkpoint.
 std::string shard_file(int64_t pp, int64_t tp);
 

@@ -22,12 +22,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// One file to check: a shard file (or a dense file), or a root file with the checksum the
-// index records.
+// One file to check: a shard file (or a dense file), or a root file, of the checkpoint with
+// `index` in `directory` (empty for a dense file).
 struct FileToCheck {
   std::string path;
   std::string name;  // as reported
-  std::optional<uint32_t> root_checksum;
+  bool root = false;
 };
 
 std::string text_of(const std::exception& e) {
@@ -40,33 +40,30 @@ std::string text_of(const std::exception& e) {
 // The dense name of the tensor stored under `key` ("<name>@<dim>:<start>" or "<name>").
 std::string tensor_of(const std::string& key) { return key.substr(0, key.rfind('@')); }
 
-void check_root_file(const FileToCheck& file, VerifyReport& report) {
+void check_root_file(const FileToCheck& file,
+                     const Index& index,
+                     const std::string& directory,
+                     VerifyReport& report) {
   std::ifstream in(file.path, std::ios::binary);
   const std::string contents{std::istreambuf_iterator<char>(in), {}};
-  report.files += 1;
   report.bytes += static_cast<int64_t>(contents.size());
-  const uint32_t actual = crc32c(contents.data(), contents.size());
   if (!in.good() && !in.eof()) {
     report.corrupt.push_back({file.name, "", "", file.path + ": cannot be read"});
-  } else if (actual != *file.root_checksum) {
-    report.corrupt.push_back({file.name,
-                              "",
-                              "",
-                              file.path + " is corrupt: its bytes have CRC-32C " +
-                                  checksum_text(actual) + " where " + kIndex + " records " +
-                                  checksum_text(*file.root_checksum)});
+  } else if (const auto problem = root_file_problem(index, directory, file.name, contents)) {
+    report.corrupt.push_back({file.name, "", "", *problem});
   }
 }
 
-void check_shard_file(const FileToCheck& file, VerifyReport& report) {
-  report.files += 1;
-  Header header;
-  try {
-    header = read_header(file.path);
-  } catch (const std::exception& e) {
-    report.corrupt.push_back({file.name, "", "", text_of(e)});
-    return;
+void check_shard_file(const FileToCheck& file,
+                      const Index& index,
+                      const std::string& directory,
+                      VerifyReport& report) {
+  if (!directory.empty()) {
+    if (const auto problem = header_problem(index, directory, file.name)) {
+      report.corrupt.push_back({file.name, "", "", *problem});
+    }
   }
+  const auto header = read_header(file.path);
   if (!header.checksummed()) {
     report.unchecked.push_back(file.name);
   }
@@ -82,13 +79,15 @@ void check_shard_file(const FileToCheck& file, VerifyReport& report) {
 }
 
 // The files of the checkpoint directory or dense file `path`; what is missing or unreadable
-// among them goes to `report`.
-std::vector<FileToCheck> files_of(const std::string& path, VerifyReport& report) {
+// among them goes to `report`. `index` and `directory` are set for a directory.
+std::vector<FileToCheck> files_of(const std::string& path,
+                                  Index& index,
+                                  std::string& directory,
+                                  VerifyReport& report) {
   if (fs::is_regular_file(path)) {
-    return {{path, path, std::nullopt}};
+    return {{path, path, false}};
   }
-  const auto directory = checkpoint_directory(path);
-  Index index;
+  directory = checkpoint_directory(path);
   try {
     index = read_index(directory);
   } catch (const std::exception& e) {
@@ -97,10 +96,10 @@ std::vector<FileToCheck> files_of(const std::string& path, VerifyReport& report)
   }
   std::vector<FileToCheck> files;
   for (const auto& name : index.files) {
-    files.push_back({(fs::path(directory) / name).string(), name, std::nullopt});
+    files.push_back({(fs::path(directory) / name).string(), name, false});
   }
   for (const auto& [name, crc] : index.checksums) {
-    files.push_back({(fs::path(directory) / name).string(), name, crc});
+    files.push_back({(fs::path(directory) / name).string(), name, true});
   }
   std::vector<FileToCheck> present;
   for (auto& file : files) {
@@ -118,15 +117,22 @@ std::vector<FileToCheck> files_of(const std::string& path, VerifyReport& report)
 VerifyReport verify(const std::string& path, int64_t threads) {
   TORCH_CHECK(fs::exists(path), "torch_mp::checkpoint::verify: no checkpoint at ", path);
   VerifyReport report;
-  const auto files = files_of(path, report);
+  Index index;
+  std::string directory;
+  const auto files = files_of(path, index, directory, report);
   std::vector<VerifyReport> found(files.size());
   std::atomic<size_t> next{0};
   const auto work = [&] {
     for (size_t f = next++; f < files.size(); f = next++) {
-      if (files[f].root_checksum) {
-        check_root_file(files[f], found[f]);
-      } else {
-        check_shard_file(files[f], found[f]);
+      found[f].files += 1;
+      try {  // (nothing may escape a worker thread)
+        if (files[f].root) {
+          check_root_file(files[f], index, directory, found[f]);
+        } else {
+          check_shard_file(files[f], index, directory, found[f]);
+        }
+      } catch (const std::exception& e) {
+        found[f].corrupt.push_back({files[f].name, "", "", text_of(e)});
       }
     }
   };
