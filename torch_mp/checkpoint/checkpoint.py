@@ -356,7 +356,8 @@ def verify(path: str | os.PathLike, *, threads: int | None = None) -> list[Corru
     """Checks every block of the checkpoint directory (or dense file) ``path`` against the
     checksum saved with it, without loading it into a model: each shard file's header and
     tensor blocks, ``extra.pt``, the index. Not collective; the files are read ``threads`` at
-    a time (one per core when None). ``python -m torch_mp.checkpoint verify PATH`` does the same from a shell.
+    a time (one per core when None). ``python -m torch_mp.checkpoint verify PATH`` does the
+    same from a shell.
 
     Returns:
         Every corrupt block (or missing or unreadable file), in file order; empty when the
