@@ -14,6 +14,7 @@ import torch.distributed  # noqa: F401  (registers the c10d types the core uses)
 from torch_mp import (
     _C,  # noqa: F401
     checkpoint,
+    context_parallel,
     data_parallel,
     dense,
     functional,
@@ -63,6 +64,7 @@ __all__ = [
     "check_finite",
     "checkpoint",
     "clip_grad_norm_",
+    "context_parallel",
     "data_parallel",
     "dense",
     "functional",

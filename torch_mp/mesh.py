@@ -1,4 +1,5 @@
-"""The data x pipeline x tensor process-group mesh (rank arithmetic in the C++ core)."""
+"""The data x pipeline x tensor (x context) process-group mesh (rank arithmetic in the C++
+core)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,27 @@ _default_mesh: Mesh | None = None
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's process groups along the three axes of the mesh.
+    """This rank's process groups along the axes of the mesh.
 
-    Ranks are laid out tensor fastest, then data, then pipeline:
-    ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, so a tensor group sits inside one node.
+    Ranks are laid out tensor fastest, then context, then data, then pipeline:
+    ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``, so a tensor group, then
+    a context group, sits inside one node (``(pp_rank * dp + dp_rank) * tp + tp_rank`` when
+    cp = 1).
 
     Attributes:
         tp_group: The tensor-parallel group (an ordinary ``torch.distributed`` group).
         pp_group: The pipeline-parallel group.
         dp_group: The data-parallel group.
         tp_size, pp_size, dp_size: The sizes of the three axes.
-        embedding_group: The ranks of the first and last pipeline stages with this rank's data
-            and tensor coordinates, where a tied embedding/head is summed
+        embedding_group: The ranks of the first and last pipeline stages with this rank's data,
+            context and tensor coordinates, where a tied embedding/head is summed
             (:meth:`torch_mp.pipeline.Pipeline` ``tied_parameters``); None on the ranks of the
             stages in between.
+        cp_group, cp_size: The context-parallel group (ranks that split each sequence between
+            them, :mod:`torch_mp.context_parallel`) and its size; None and 1 without.
+        dp_cp_group: The data x context ranks of this rank's pipeline and tensor coordinates,
+            over which the gradients of parameters replicated over the context group are
+            reduced; the data group when cp = 1.
     """
 
     tp_group: dist.ProcessGroup
@@ -39,12 +47,26 @@ class Mesh:
     pp_size: int
     dp_size: int
     embedding_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    cp_size: int = 1
+    dp_cp_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.dp_cp_group is None:
+            object.__setattr__(self, "dp_cp_group", self.dp_group)
 
     def __repr__(self) -> str:
+        cp = f", cp={self.cp_size}" if self.cp_size > 1 else ""
+        cp_rank = f", cp_rank={self.cp_rank}" if self.cp_size > 1 else ""
         return (
-            f"Mesh(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}; "
-            f"tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, dp_rank={self.dp_rank})"
+            f"Mesh(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}{cp}; "
+            f"tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, dp_rank={self.dp_rank}{cp_rank})"
         )
+
+    @property
+    def cp_rank(self) -> int:
+        """This process's rank in its context-parallel group (0 without one)."""
+        return 0 if self.cp_group is None else dist.get_rank(self.cp_group)
 
     @property
     def tp_rank(self) -> int:
@@ -97,6 +119,7 @@ def init(
     dp: int | None = None,
     backend: str | None = None,
     timeout: datetime.timedelta | float | None = None,
+    cp: int = 1,
 ) -> Mesh:
     """Builds the tensor, pipeline and data groups and makes them the default mesh.
 
@@ -107,17 +130,19 @@ def init(
     Args:
         tp: Tensor-parallel size.
         pp: Pipeline-parallel size.
-        dp: Data-parallel size; ``world_size // (tp * pp)`` when None.
+        dp: Data-parallel size; ``world_size // (tp * pp * cp)`` when None.
         backend: ``"nccl"`` or ``"gloo"``; NCCL when CUDA is available, Gloo otherwise.
         timeout: Timeout of every collective on the new groups (a ``timedelta`` or seconds), so
             that a dead peer raises instead of hanging; torch's default when None.
+        cp: Context-parallel size: ranks that split each sequence between them
+            (:mod:`torch_mp.context_parallel`).
 
     Returns:
         The new default :class:`Mesh`.
 
     Raises:
-        RuntimeError: If the world size is not ``tp * pp * dp``, or ranks passed different
-            arguments.
+        RuntimeError: If the world size is not ``tp * pp * dp * cp``, or ranks passed
+            different arguments.
     """
     global _default_mesh
     timeout = _as_timedelta(timeout)
@@ -134,11 +159,12 @@ def init(
     _C.check_same_across_ranks(
         [tp, pp, -1 if dp is None else dp], world.group_name, "torch_mp.init arguments [tp, pp, dp]"
     )
-    tp, pp, dp = _C.mesh_shape(dist.get_world_size(), tp, pp, dp)
+    _C.check_same_across_ranks([cp], world.group_name, "torch_mp.init argument cp")
+    tp, pp, dp = _C.mesh_shape(dist.get_world_size(), tp, pp, dp, cp)
     rank = dist.get_rank()
     mine = {}
     # new_group must be called by every rank for every group, in the same order.
-    for axis, groups in _C.mesh_groups(tp, pp, dp).items():
+    for axis, groups in _C.mesh_groups(tp, pp, dp, cp).items():
         for ranks in groups:
             group = dist.new_group(ranks, timeout=timeout, backend=backend)
             if rank in ranks:
@@ -151,6 +177,9 @@ def init(
         pp_size=pp,
         dp_size=dp,
         embedding_group=mine.get("embedding"),
+        cp_group=mine["cp"],
+        cp_size=cp,
+        dp_cp_group=mine.get("dp_cp"),
     )
     return _default_mesh
 

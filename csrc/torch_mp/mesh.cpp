@@ -14,31 +14,36 @@
 
 namespace torch_mp {
 
-MeshShape MeshShape::infer(int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp) {
+MeshShape MeshShape::infer(
+    int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp, int64_t cp) {
   TORCH_CHECK(world_size > 0, "torch_mp.init: world size must be positive, got ", world_size);
   TORCH_CHECK(
       tp > 0 && pp > 0, "torch_mp.init: tp and pp must be positive, got tp=", tp, ", pp=", pp);
+  TORCH_CHECK(cp > 0, "torch_mp.init: cp must be positive, got cp=", cp);
   TORCH_CHECK(!dp || *dp > 0, "torch_mp.init: dp must be positive, got dp=", *dp);
+  const std::string product = cp == 1 ? "tp * pp" : "tp * pp * cp";
+  const std::string factors =
+      std::to_string(tp) + " * " + std::to_string(pp) + (cp == 1 ? "" : " * " + std::to_string(cp));
   if (!dp) {
-    TORCH_CHECK(world_size % (tp * pp) == 0,
+    TORCH_CHECK(world_size % (tp * pp * cp) == 0,
                 "torch_mp.init: world size ",
                 world_size,
-                " is not divisible by tp * pp = ",
-                tp,
-                " * ",
-                pp);
-    dp = world_size / (tp * pp);
+                " is not divisible by ",
+                product,
+                " = ",
+                factors);
+    dp = world_size / (tp * pp * cp);
   }
-  TORCH_CHECK(tp * pp * *dp == world_size,
+  TORCH_CHECK(tp * pp * *dp * cp == world_size,
               "torch_mp.init: world size ",
               world_size,
-              " is not tp * pp * dp = ",
-              tp,
-              " * ",
-              pp,
+              " is not ",
+              product,
+              " * dp = ",
+              factors,
               " * ",
               *dp);
-  return MeshShape{tp, pp, *dp};
+  return MeshShape{tp, pp, *dp, cp};
 }
 
 MeshCoord MeshShape::coord(int64_t rank) const {
@@ -48,10 +53,13 @@ MeshCoord MeshShape::coord(int64_t rank) const {
               " is outside a mesh of ",
               world_size(),
               " ranks");
-  return MeshCoord{rank / (tp * dp), (rank / tp) % dp, rank % tp};
+  const int64_t outer = rank / (tp * cp);  // pp_rank * dp + dp_rank
+  return MeshCoord{outer / dp, outer % dp, rank % tp, (rank / tp) % cp};
 }
 
-int64_t MeshShape::rank(const MeshCoord& c) const { return (c.pp * dp + c.dp) * tp + c.tp; }
+int64_t MeshShape::rank(const MeshCoord& c) const {
+  return ((c.pp * dp + c.dp) * cp + c.cp) * tp + c.tp;
+}
 
 int64_t MeshShape::size(Axis axis) const {
   switch (axis) {
@@ -61,23 +69,42 @@ int64_t MeshShape::size(Axis axis) const {
       return dp;
     case Axis::kPipeline:
       return pp;
+    case Axis::kContext:
+      return cp;
   }
   return 0;
 }
 
+namespace {
+
+int64_t& coordinate(MeshCoord& c, Axis axis) {
+  switch (axis) {
+    case Axis::kTensor:
+      return c.tp;
+    case Axis::kData:
+      return c.dp;
+    case Axis::kPipeline:
+      return c.pp;
+    case Axis::kContext:
+      return c.cp;
+  }
+  return c.tp;
+}
+
+}  // namespace
+
 std::vector<std::vector<int64_t>> MeshShape::groups(Axis axis) const {
-  // A group is every rank whose other two coordinates match; list groups by their first rank.
+  // A group is every rank whose other coordinates match; list groups by their first rank.
   std::vector<std::vector<int64_t>> result;
   for (int64_t first = 0; first < world_size(); ++first) {
-    const MeshCoord c = coord(first);
-    const int64_t along = axis == Axis::kTensor ? c.tp : axis == Axis::kData ? c.dp : c.pp;
-    if (along != 0) {
+    MeshCoord c = coord(first);
+    if (coordinate(c, axis) != 0) {
       continue;
     }
     std::vector<int64_t> ranks;
     for (int64_t i = 0; i < size(axis); ++i) {
       MeshCoord member = c;
-      (axis == Axis::kTensor ? member.tp : axis == Axis::kData ? member.dp : member.pp) = i;
+      coordinate(member, axis) = i;
       ranks.push_back(rank(member));
     }
     result.push_back(std::move(ranks));
@@ -85,15 +112,33 @@ std::vector<std::vector<int64_t>> MeshShape::groups(Axis axis) const {
   return result;
 }
 
+std::vector<std::vector<int64_t>> MeshShape::data_context_groups() const {
+  std::vector<std::vector<int64_t>> result;
+  for (int64_t p = 0; p < pp; ++p) {
+    for (int64_t t = 0; t < tp; ++t) {
+      std::vector<int64_t> ranks;
+      for (int64_t d = 0; d < dp; ++d) {
+        for (int64_t c = 0; c < cp; ++c) {
+          ranks.push_back(rank({p, d, t, c}));
+        }
+      }
+      result.push_back(std::move(ranks));
+    }
+  }
+  return result;
+}
+
 std::vector<std::vector<int64_t>> MeshShape::embedding_groups() const {
   std::vector<std::vector<int64_t>> result;
   for (int64_t d = 0; d < dp; ++d) {
-    for (int64_t t = 0; t < tp; ++t) {
-      std::vector<int64_t> ranks{rank({0, d, t})};
-      if (pp > 1) {
-        ranks.push_back(rank({pp - 1, d, t}));
+    for (int64_t c = 0; c < cp; ++c) {
+      for (int64_t t = 0; t < tp; ++t) {
+        std::vector<int64_t> ranks{rank({0, d, t, c})};
+        if (pp > 1) {
+          ranks.push_back(rank({pp - 1, d, t, c}));
+        }
+        result.push_back(std::move(ranks));
       }
-      result.push_back(std::move(ranks));
     }
   }
   return result;
@@ -102,7 +147,17 @@ std::vector<std::vector<int64_t>> MeshShape::embedding_groups() const {
 namespace {
 
 const char* axis_name(Axis axis) {
-  return axis == Axis::kTensor ? "tp" : axis == Axis::kData ? "dp" : "pp";
+  switch (axis) {
+    case Axis::kTensor:
+      return "tp";
+    case Axis::kData:
+      return "dp";
+    case Axis::kPipeline:
+      return "pp";
+    case Axis::kContext:
+      return "cp";
+  }
+  return "?";
 }
 
 // Creates this rank's group among `groups` (null if it is in none); each group rendezvouses
@@ -177,13 +232,24 @@ std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
       {options.tp(), options.pp(), options.dp().value_or(-1), static_cast<int64_t>(backend)},
       mesh->world,
       "torch_mp::init options [tp, pp, dp, backend]");
-  mesh->shape = MeshShape::infer(world_size, options.tp(), options.pp(), options.dp());
+  comm::check_same_across_ranks({options.cp()}, mesh->world, "torch_mp::init option cp");
+  mesh->shape =
+      MeshShape::infer(world_size, options.tp(), options.pp(), options.dp(), options.cp());
   mesh->tp_group =
       make_axis_group(store, mesh->shape, Axis::kTensor, rank, backend, options.timeout());
   mesh->dp_group =
       make_axis_group(store, mesh->shape, Axis::kData, rank, backend, options.timeout());
   mesh->pp_group =
       make_axis_group(store, mesh->shape, Axis::kPipeline, rank, backend, options.timeout());
+  mesh->cp_group =
+      make_axis_group(store, mesh->shape, Axis::kContext, rank, backend, options.timeout());
+  mesh->dp_cp_group = mesh->shape.cp == 1 ? mesh->dp_group
+                                          : make_group(store,
+                                                       mesh->shape.data_context_groups(),
+                                                       "dp_cp",
+                                                       rank,
+                                                       backend,
+                                                       options.timeout());
   mesh->embedding_group = make_group(
       store, mesh->shape.embedding_groups(), "embedding", rank, backend, options.timeout());
   return mesh;

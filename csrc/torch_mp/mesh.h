@@ -1,10 +1,12 @@
 #pragma once
-// The data x pipeline x tensor process-group mesh.
+// The data x pipeline x tensor (x context) process-group mesh.
 //
-// Ranks are laid out tensor fastest, then data, then pipeline, so that a tensor group sits inside
-// one node:
+// Ranks are laid out tensor fastest, then context, then data, then pipeline, so that a tensor
+// group, then a context group, sits inside one node:
 //
-//   rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+//   rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+//
+// With cp = 1 (no context parallelism) that is (pp_rank * dp + dp_rank) * tp + tp_rank:
 //
 //   world 8, tp 2, pp 2, dp 2:      tensor groups    [0 1] [2 3] [4 5] [6 7]
 //     pp_rank 0: dp 0 -> 0 1        data groups      [0 2] [1 3] [4 6] [5 7]
@@ -24,29 +26,32 @@
 namespace torch_mp {
 
 /// One axis of the mesh.
-enum class Axis { kTensor, kData, kPipeline };
+enum class Axis { kTensor, kData, kPipeline, kContext };
 
 /// A rank's place on the mesh.
 struct MeshCoord {
   int64_t pp = 0;
   int64_t dp = 0;
   int64_t tp = 0;
+  int64_t cp = 0;
 };
 
-/// The sizes of the three axes and the rank arithmetic over them (no communication).
+/// The sizes of the four axes and the rank arithmetic over them (no communication).
 struct MeshShape {
   int64_t tp = 1;
   int64_t pp = 1;
   int64_t dp = 1;
+  int64_t cp = 1;
 
-  /// The shape for `world_size` ranks; `dp` defaults to world_size / (tp * pp).
-  /// Raises if a size is not positive or tp * pp * dp != world_size.
+  /// The shape for `world_size` ranks; `dp` defaults to world_size / (tp * pp * cp).
+  /// Raises if a size is not positive or tp * pp * dp * cp != world_size.
   static MeshShape infer(int64_t world_size,
                          int64_t tp,
                          int64_t pp,
-                         std::optional<int64_t> dp = std::nullopt);
+                         std::optional<int64_t> dp = std::nullopt,
+                         int64_t cp = 1);
 
-  int64_t world_size() const { return tp * pp * dp; }
+  int64_t world_size() const { return tp * pp * dp * cp; }
   /// Coordinates of world rank `rank`.
   MeshCoord coord(int64_t rank) const;
   /// World rank at `coord`.
@@ -56,9 +61,13 @@ struct MeshShape {
   /// Every group along `axis`, each as its world ranks in group-rank order. Groups are listed in
   /// one fixed order, the same on every rank.
   std::vector<std::vector<int64_t>> groups(Axis axis) const;
-  /// The embedding groups: the ranks of the first and the last pipeline stage with the same data
-  /// and tensor coordinates (one rank when pp = 1), where a tied embedding/head is summed.
+  /// The embedding groups: the ranks of the first and the last pipeline stage with the same data,
+  /// context and tensor coordinates (one rank when pp = 1), where a tied embedding/head is summed.
   std::vector<std::vector<int64_t>> embedding_groups() const;
+  /// The data x context groups: the ranks with the same pipeline and tensor coordinates, over
+  /// which the gradients of parameters replicated over the context group are reduced (the data
+  /// groups when cp = 1).
+  std::vector<std::vector<int64_t>> data_context_groups() const;
 };
 
 /// Options for `init` and `make_mesh`.
@@ -69,13 +78,15 @@ struct InitOptions {
   TORCH_ARG(int64_t, pp) = 1;
   /// Data-parallel size; inferred from the world size when unset.
   TORCH_ARG(std::optional<int64_t>, dp) = std::nullopt;
+  /// Context-parallel size: ranks that split each sequence between them (context_parallel/).
+  TORCH_ARG(int64_t, cp) = 1;
   /// Backend; Gloo when unset (creating NCCL groups from C++ is not built yet).
   TORCH_ARG(std::optional<Backend>, backend) = std::nullopt;
   /// Timeout of every collective on the mesh's groups.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
 };
 
-/// The process groups of one rank: the world and the three axes through it.
+/// The process groups of one rank: the world and the four axes through it.
 struct Mesh {
   MeshShape shape;
   int64_t rank = 0;
@@ -83,6 +94,11 @@ struct Mesh {
   GroupPtr tp_group;
   GroupPtr dp_group;
   GroupPtr pp_group;
+  /// The ranks that split a sequence with this one (context_parallel/).
+  GroupPtr cp_group;
+  /// The data x context ranks of this rank's pipeline and tensor coordinates (dp_group when
+  /// cp = 1): where gradients of parameters replicated over the context group are reduced.
+  GroupPtr dp_cp_group;
   /// The first and last pipeline stages' ranks of this rank's data and tensor coordinates (see
   /// MeshShape::embedding_groups); null on ranks of the stages in between.
   GroupPtr embedding_group;
@@ -92,9 +108,11 @@ struct Mesh {
   int64_t tp_rank() const { return shape.coord(rank).tp; }
   int64_t dp_rank() const { return shape.coord(rank).dp; }
   int64_t pp_rank() const { return shape.coord(rank).pp; }
+  int64_t cp_rank() const { return shape.coord(rank).cp; }
   int64_t tp_size() const { return shape.tp; }
   int64_t dp_size() const { return shape.dp; }
   int64_t pp_size() const { return shape.pp; }
+  int64_t cp_size() const { return shape.cp; }
 };
 
 /// Builds the mesh of rank `rank` among `world_size` ranks that share `store`. Every rank must

@@ -7,6 +7,9 @@
 #include "torch_mp/clip_grad.h"                            // IWYU pragma: export
 #include "torch_mp/collectives.h"                          // IWYU pragma: export
 #include "torch_mp/comm.h"                                 // IWYU pragma: export
+#include "torch_mp/context_parallel/all_to_all.h"          // IWYU pragma: export
+#include "torch_mp/context_parallel/attention.h"           // IWYU pragma: export
+#include "torch_mp/context_parallel/sharding.h"            // IWYU pragma: export
 #include "torch_mp/data_parallel/data_parallel.h"          // IWYU pragma: export
 #include "torch_mp/data_parallel/gradient_sync.h"          // IWYU pragma: export
 #include "torch_mp/data_parallel/shard_layout.h"           // IWYU pragma: export

@@ -85,6 +85,23 @@ TEST(MeshShape, GroupsOfWorld8Tp2Pp2Dp2MatchTheLayoutInMeshH) {
   EXPECT_EQ(shape.groups(Axis::kPipeline), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
 }
 
+TEST(MeshShape, ContextSitsBetweenTensorAndData) {
+  // world 16, tp 2, cp 2, dp 2, pp 2: rank = ((pp * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
+  const MeshShape shape = MeshShape::infer(16, 2, 2, std::nullopt, 2);
+  EXPECT_EQ(shape.dp, 2);
+  for (int64_t rank = 0; rank < 16; ++rank) {
+    const MeshCoord c = shape.coord(rank);
+    EXPECT_EQ(((c.pp * 2 + c.dp) * 2 + c.cp) * 2 + c.tp, rank) << "rank " << rank;
+    EXPECT_EQ(shape.rank(c), rank);
+  }
+  EXPECT_EQ(shape.groups(Axis::kContext)[0], (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(shape.groups(Axis::kData)[0], (std::vector<int64_t>{0, 4}));
+  EXPECT_EQ(shape.data_context_groups()[0], (std::vector<int64_t>{0, 2, 4, 6}));
+  EXPECT_EQ(shape.embedding_groups()[1], (std::vector<int64_t>{1, 9}));
+  EXPECT_TRUE(mentions(error_of([] { MeshShape::infer(8, 2, 1, std::nullopt, 3); }),
+                       "is not divisible by tp * pp * cp = 2 * 1 * 3"));
+}
+
 // ---- make_mesh -------------------------------------------------------------------------------
 
 /// A mesh to build: world size and the tp, pp it is asked for (dp inferred).

@@ -1,4 +1,5 @@
-"""torch_mp.init: the mesh's groups follow rank = (pp_rank * dp + dp_rank) * tp + tp_rank."""
+"""torch_mp.init: the mesh's groups follow rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) *
+tp + tp_rank ((pp_rank * dp + dp_rank) * tp + tp_rank without context parallelism)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,38 @@ def test_groups_follow_tensor_then_data_then_pipeline(world4, tp, pp):
         assert got["default_is_this"]
 
 
+def _layout_with_context(tp: int, pp: int, cp: int) -> dict:
+    mesh = use_mesh(tp, pp, cp)
+    return {
+        "sizes": (mesh.tp_size, mesh.pp_size, mesh.dp_size, mesh.cp_size),
+        "ranks": (mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, mesh.cp_rank),
+        "tp": _members(mesh.tp_group),
+        "cp": _members(mesh.cp_group),
+        "dp": _members(mesh.dp_group),
+        "pp": _members(mesh.pp_group),
+        "dp_cp": _members(mesh.dp_cp_group),
+    }
+
+
+@pytest.mark.parametrize("tp,pp,cp", [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)])
+def test_context_groups_sit_between_tensor_and_data(world4, tp, pp, cp):
+    dp = 4 // (tp * pp * cp)
+    for rank, got in enumerate(world4.run(_layout_with_context, tp, pp, cp)):
+        t, c = rank % tp, (rank // tp) % cp
+        d, p = (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
+        assert got["sizes"] == (tp, pp, dp, cp)
+        assert got["ranks"] == (t, p, d, c)
+
+        def at(p, d, c, t):
+            return ((p * dp + d) * cp + c) * tp + t
+
+        assert got["tp"] == [at(p, d, c, i) for i in range(tp)]
+        assert got["cp"] == [at(p, d, i, t) for i in range(cp)]
+        assert got["dp"] == [at(p, i, c, t) for i in range(dp)]
+        assert got["pp"] == [at(i, d, c, t) for i in range(pp)]
+        assert got["dp_cp"] == [at(p, i, j, t) for i in range(dp) for j in range(cp)]
+
+
 def _bad_init(kwargs: dict) -> str | None:
     return error_of(torch_mp.init, **kwargs)
 
@@ -56,6 +89,8 @@ def _bad_init(kwargs: dict) -> str | None:
         ({"tp": 3}, "world size 4 is not divisible by tp * pp = 3 * 1"),
         ({"tp": 2, "dp": 3}, "world size 4 is not tp * pp * dp = 2 * 1 * 3"),
         ({"tp": 0}, "tp and pp must be positive"),
+        ({"cp": 3}, "world size 4 is not divisible by tp * pp * cp = 1 * 1 * 3"),
+        ({"cp": 0}, "cp must be positive"),
     ],
 )
 def test_a_world_size_that_does_not_factor_raises(world4, kwargs, message):
