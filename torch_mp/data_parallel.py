@@ -35,8 +35,10 @@ class DataParallel(nn.Module):
 
     Args:
         module: The module to replicate.
-        group: The data-parallel group; ``mesh.dp_group`` (the default mesh's) when None.
-        mesh: Takes ``mesh.dp_group``; pass ``group`` or ``mesh``, not both.
+        group: The data-parallel group; ``mesh.dp_cp_group`` (the default mesh's data group,
+            times its context group when cp > 1: parameters are replicated over both, and each
+            context rank's gradient covers its part of the sequence) when None.
+        mesh: Takes ``mesh.dp_cp_group``; pass ``group`` or ``mesh``, not both.
         bucket_cap_mb: Size of a gradient bucket in MiB.
         gradient_as_bucket_view: Make each ``.grad`` a view into its bucket (saves a copy and
             memory) instead of copying gradients into the buckets and back.
@@ -76,7 +78,7 @@ class DataParallel(nn.Module):
         if mesh is not None and group is not None:
             raise ValueError("DataParallel: pass group= or mesh=, not both")
         if group is None:
-            group = (mesh or get_mesh()).dp_group
+            group = (mesh or get_mesh()).dp_cp_group
         self.module = module
         self.group = group
         self.require_backward_grad_sync = True

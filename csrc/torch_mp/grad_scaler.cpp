@@ -18,7 +18,7 @@ GradScaler::GradScaler(GradScalerOptions options, std::shared_ptr<Mesh> mesh)
   }
   tp_group_ = mesh->tp_group;
   pp_group_ = mesh->pp_group;
-  dp_group_ = mesh->dp_group;
+  dp_group_ = mesh->dp_cp_group;
 }
 
 GradScaler::GradScaler(GradScalerOptions options,

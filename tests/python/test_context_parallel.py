@@ -207,3 +207,61 @@ def test_bad_input_raises_on_every_rank_naming_it():
         assert "takes is_causal, not an attn_mask" in errors["ring mask"]
         assert "method must be 'ring', 'all_gather' or 'all_to_all'" in errors["method"]
         assert "[batch, heads, key/value heads, sequence part" in errors["shapes"]
+
+
+class _Tiny(torch.nn.Module):
+    """An embedding, a Q/K/V projection, causal attention (given), an output projection."""
+
+    def __init__(self, vocab: int = 11, hidden: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads = heads
+        self.embedding = torch.nn.Embedding(vocab, hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.out = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, attend) -> torch.Tensor:
+        b, s = tokens.shape
+        x = self.embedding(tokens)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return self.out(attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+
+def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 11, (4, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _data_and_context(world: int, cp_size: int, method: str) -> float:
+    """One step of _Tiny under torch_mp.DataParallel on (dp, cp) = (world / cp, cp): each data
+    rank its rows of the batch, each context rank its part of their sequences. The gradients,
+    averaged over data x context ranks (DataParallel's default group), are the one-process
+    model's on the whole batch."""
+    import torch_mp
+
+    mesh = use_mesh(1, 1, cp_size)
+    inputs, targets = _tokens()
+    reference = _Tiny()
+    logits = reference(
+        inputs, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+
+    model = torch_mp.DataParallel(_Tiny())
+    assert model.group is mesh.dp_cp_group
+    rows = slice(mesh.dp_rank * 4 // mesh.dp_size, (mesh.dp_rank + 1) * 4 // mesh.dp_size)
+    mine = [cp.shard_sequence(t[rows], 1) for t in (inputs, targets)]
+    logits = model(mine[0], lambda q, k, v: cp.attention(q, k, v, is_causal=True, method=method))
+    F.cross_entropy(logits.flatten(0, 1), mine[1].flatten()).backward()
+    return max(
+        (p.grad - q.grad).abs().max().item()
+        for p, q in zip(model.module.parameters(), reference.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("world,cp_size", [(2, 2), (4, 2)], ids=["dp1-cp2", "dp2-cp2"])
+@pytest.mark.parametrize("method", ["ring", "all_gather"])
+def test_data_parallel_reduces_over_data_and_context_ranks(world, cp_size, method):
+    for difference in get_world(world).run(_data_and_context, world, cp_size, method):
+        assert difference < 1e-5, difference

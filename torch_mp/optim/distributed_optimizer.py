@@ -41,8 +41,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params: Parameters or parameter groups, as for any optimizer: the whole model's on
             this rank (its stage and tensor shard), the same on every data rank.
         optimizer_class: The optimizer that steps the shards, e.g. ``torch.optim.AdamW``.
-        mesh: Takes ``mesh.dp_group``; pass ``group`` or ``mesh``, not both.
-        group: The data-parallel group; ``mesh.dp_group`` (the default mesh's) when None.
+        mesh: Takes ``mesh.dp_cp_group``; pass ``group`` or ``mesh``, not both.
+        group: The data-parallel group; ``mesh.dp_cp_group`` (the default mesh's data group,
+            times its context group when cp > 1) when None.
         master_dtype: Keep the shards as copies in this dtype (``torch.float32`` master weights
             of bf16 or fp16 parameters), starting from the parameters' values; gradients are
             converted to it, the stepped values written back rounded. None: step the
@@ -69,7 +70,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if mesh is not None and group is not None:
             raise ValueError("DistributedOptimizer: pass group= or mesh=, not both")
         if group is None:
-            group = (mesh or get_mesh()).dp_group
+            group = (mesh or get_mesh()).dp_cp_group
         groups = list(params)
         if not groups:
             raise ValueError("DistributedOptimizer: got an empty parameter list")

@@ -71,7 +71,7 @@ class GradScaler:
             enabled,
             mesh.tp_group.group_name,
             mesh.pp_group.group_name,
-            mesh.dp_group.group_name,
+            mesh.dp_cp_group.group_name,
         )
 
     def scale(self, outputs: Any) -> Any:

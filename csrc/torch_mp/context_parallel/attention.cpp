@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -120,6 +121,19 @@ at::Tensor all_to_all_attention(const at::Tensor& q,
   const auto heads_v = all_to_all(v, 1, 2, group);
   const int64_t s = q.size(2) * size;
   const auto order = gathered_positions(s, size, load_balance).to(q.device());
+  if (is_causal && (!attn_mask || !attn_mask->defined())) {
+    // In the sequence's own order the causal mask is SDPA's, which skips the future's half.
+    const auto natural = order.argsort();
+    const auto out = at::scaled_dot_product_attention(heads_q.index_select(2, natural),
+                                                      heads_k.index_select(2, natural),
+                                                      heads_v.index_select(2, natural),
+                                                      std::nullopt,
+                                                      0.0,
+                                                      /*is_causal=*/true,
+                                                      scale,
+                                                      /*enable_gqa=*/k.size(1) != q.size(1));
+    return all_to_all(out.index_select(2, order), 2, 1, group);
+  }
   const int64_t heads = q.size(1) / size;
   const auto mask =
       mask_for(order, order, is_causal, attn_mask, group->getRank() * heads, heads, q.size(1));
@@ -177,6 +191,67 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k, double scale, Meetin
   return s;
 }
 
+// CPU's fused attention kernel (flash attention for CPU) serves a block where it can: it never
+// holds the block's scores whole, and returns the log-sum-exp the merge needs; elsewhere the
+// block's scores are made explicitly.
+bool fused_block(const at::Tensor& q) {
+  return q.is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
+                        q.scalar_type() == at::kHalf);
+}
+
+// A block's output and log-sum-exp (float), of queries `q` against keys `k` and values `v`.
+std::pair<at::Tensor, at::Tensor> block_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, Meeting how) {
+  const auto keys = repeat_heads(k, q.size(1));
+  const auto values = repeat_heads(v, q.size(1));
+  if (fused_block(q)) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.contiguous(),
+                                                                      keys.contiguous(),
+                                                                      values.contiguous(),
+                                                                      0.0,
+                                                                      how == Meeting::kDiagonal,
+                                                                      std::nullopt,
+                                                                      scale);
+    return {out, lse.to(at::kFloat)};
+  }
+  const auto s = scores(q, k, scale, how);
+  const auto lse = at::logsumexp(s, -1);
+  return {at::matmul(at::exp(s - lse.unsqueeze(-1)), values), lse.to(at::kFloat)};
+}
+
+// A block's gradients (dq, and dk, dv for every query head), from the whole output `out`, its
+// log-sum-exp `lse` and `delta` = rowsum(grad_out * out).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& grad_out,
+                                                              const at::Tensor& q,
+                                                              const at::Tensor& k,
+                                                              const at::Tensor& v,
+                                                              const at::Tensor& out,
+                                                              const at::Tensor& lse,
+                                                              const at::Tensor& delta,
+                                                              double scale,
+                                                              Meeting how) {
+  const auto keys = repeat_heads(k, q.size(1));
+  const auto values = repeat_heads(v, q.size(1));
+  if (fused_block(q)) {
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out.contiguous(),
+                                                                    q.contiguous(),
+                                                                    keys.contiguous(),
+                                                                    values.contiguous(),
+                                                                    out.contiguous(),
+                                                                    lse.contiguous(),
+                                                                    0.0,
+                                                                    how == Meeting::kDiagonal,
+                                                                    std::nullopt,
+                                                                    scale);
+  }
+  const auto p = at::exp(scores(q, k, scale, how) - lse.unsqueeze(-1));
+  const auto dp = at::matmul(grad_out, values.transpose(-2, -1));
+  const auto ds = p * (dp - delta.unsqueeze(-1));
+  return {at::matmul(ds, keys) * scale,
+          at::matmul(ds.transpose(-2, -1), q) * scale,
+          at::matmul(p.transpose(-2, -1), grad_out)};
+}
+
 // The ring's neighbours and its exchange of one tensor: sent to the next rank, received from
 // the previous one, both posted before the caller computes and waited for after.
 struct Ring {
@@ -199,6 +274,7 @@ struct Ring {
   }
 
   at::Tensor finish(Transfer& t) const {
+    RECORD_FUNCTION("torch_mp::ring_attention wait", std::vector<c10::IValue>());
     comm::wait(t.send, group, "context_parallel ring send");
     comm::wait(t.recv, group, "context_parallel ring receive");
     return t.received;
@@ -263,8 +339,9 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
   check_ring_inputs(q, k, v, r.group, is_causal, load_balance);
   const int64_t batch = q.size(0), local = q.size(2);
   auto out = at::zeros_like(q, at::MemoryFormat::Contiguous);
-  auto lse =
-      at::full({batch, q.size(1), local}, -std::numeric_limits<double>::infinity(), q.options());
+  auto lse = at::full({batch, q.size(1), local},
+                      -std::numeric_limits<double>::infinity(),
+                      q.options().dtype(at::kFloat));
   const auto mine = chunks_of(r.rank, r.size, local, load_balance && is_causal);
   auto keys_values = at::cat({k, v}, 0).contiguous();  // [2b, kv heads, local, d]
   for (int64_t step = 0; step < r.size; ++step) {
@@ -275,24 +352,26 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
     }
     const auto keys = keys_values.narrow(0, 0, batch);
     const auto values = keys_values.narrow(0, batch, batch);
-    for (const auto& qc : mine) {
-      for (const auto& kc : chunks_of(source, r.size, local, load_balance && is_causal)) {
-        const Meeting how = meeting(qc, kc, is_causal);
-        if (how == Meeting::kNone) {
-          continue;
+    {  // (the profiler's range of the block's compute)
+      RECORD_FUNCTION("torch_mp::ring_attention compute", std::vector<c10::IValue>());
+      for (const auto& qc : mine) {
+        for (const auto& kc : chunks_of(source, r.size, local, load_balance && is_causal)) {
+          const Meeting how = meeting(qc, kc, is_causal);
+          if (how == Meeting::kNone) {
+            continue;
+          }
+          const auto [block_out, block_lse] = block_forward(q.narrow(2, qc.offset, qc.length),
+                                                            keys.narrow(2, kc.offset, kc.length),
+                                                            values.narrow(2, kc.offset, kc.length),
+                                                            scale,
+                                                            how);
+          auto o = out.narrow(2, qc.offset, qc.length);
+          auto l = lse.narrow(2, qc.offset, qc.length);
+          const auto merged = at::logaddexp(l, block_lse);
+          o.copy_(o * at::exp(l - merged).unsqueeze(-1) +
+                  block_out * at::exp(block_lse - merged).unsqueeze(-1));
+          l.copy_(merged);
         }
-        const auto s = scores(
-            q.narrow(2, qc.offset, qc.length), keys.narrow(2, kc.offset, kc.length), scale, how);
-        const auto block_lse = at::logsumexp(s, -1);
-        const auto block_out =
-            at::matmul(at::exp(s - block_lse.unsqueeze(-1)),
-                       repeat_heads(values.narrow(2, kc.offset, kc.length), q.size(1)));
-        auto o = out.narrow(2, qc.offset, qc.length);
-        auto l = lse.narrow(2, qc.offset, qc.length);
-        const auto merged = at::logaddexp(l, block_lse);
-        o.copy_(o * at::exp(l - merged).unsqueeze(-1) +
-                block_out * at::exp(block_lse - merged).unsqueeze(-1));
-        l.copy_(merged);
       }
     }
     if (next) {
@@ -331,25 +410,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Te
     const auto values = keys_values.narrow(0, batch, batch);
     auto dk = grads.narrow(0, 0, batch);
     auto dv = grads.narrow(0, batch, batch);
-    for (const auto& qc : mine) {
-      for (const auto& kc : chunks_of(source, r.size, local, load_balance && is_causal)) {
-        const Meeting how = meeting(qc, kc, is_causal);
-        if (how == Meeting::kNone) {
-          continue;
+    {  // (the profiler's range of the block's compute)
+      RECORD_FUNCTION("torch_mp::ring_attention compute", std::vector<c10::IValue>());
+      for (const auto& qc : mine) {
+        for (const auto& kc : chunks_of(source, r.size, local, load_balance && is_causal)) {
+          const Meeting how = meeting(qc, kc, is_causal);
+          if (how == Meeting::kNone) {
+            continue;
+          }
+          const auto rows = [&](const at::Tensor& t) { return t.narrow(2, qc.offset, qc.length); };
+          const auto [dq_c, dk_c, dv_c] = block_backward(rows(dout),
+                                                         rows(q),
+                                                         keys.narrow(2, kc.offset, kc.length),
+                                                         values.narrow(2, kc.offset, kc.length),
+                                                         rows(out),
+                                                         rows(lse),
+                                                         rows(delta),
+                                                         scale,
+                                                         how);
+          dq.narrow(2, qc.offset, qc.length).add_(dq_c);
+          dk.narrow(2, kc.offset, kc.length).add_(sum_heads(dk_c, kv_heads));
+          dv.narrow(2, kc.offset, kc.length).add_(sum_heads(dv_c, kv_heads));
         }
-        const auto q_c = q.narrow(2, qc.offset, qc.length);
-        const auto do_c = dout.narrow(2, qc.offset, qc.length);
-        const auto k_c = repeat_heads(keys.narrow(2, kc.offset, kc.length), q.size(1));
-        const auto v_c = repeat_heads(values.narrow(2, kc.offset, kc.length), q.size(1));
-        const auto p = at::exp(scores(q_c, keys.narrow(2, kc.offset, kc.length), scale, how) -
-                               lse.narrow(2, qc.offset, qc.length).unsqueeze(-1));
-        const auto dp = at::matmul(do_c, v_c.transpose(-2, -1));
-        const auto ds = p * (dp - delta.narrow(2, qc.offset, qc.length).unsqueeze(-1));
-        dq.narrow(2, qc.offset, qc.length).add_(at::matmul(ds, k_c), scale);
-        dk.narrow(2, kc.offset, kc.length)
-            .add_(sum_heads(at::matmul(ds.transpose(-2, -1), q_c), kv_heads), scale);
-        dv.narrow(2, kc.offset, kc.length)
-            .add_(sum_heads(at::matmul(p.transpose(-2, -1), do_c), kv_heads));
       }
     }
     if (r.size > 1) {

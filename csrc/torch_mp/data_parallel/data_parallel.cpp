@@ -9,7 +9,7 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
     : module(std::move(module_)), options(std::move(options_)) {
   TORCH_CHECK(module, "DataParallel: no module");
   if (!options.group()) {
-    options.group(get_mesh()->dp_group);
+    options.group(get_mesh()->dp_cp_group);
   }
   register_module("module", module);
   if (options.shard_gradients() || options.grad_dtype()) {

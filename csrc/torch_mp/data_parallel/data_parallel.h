@@ -24,7 +24,8 @@ namespace torch_mp::data_parallel {
 
 /// Options of DataParallel.
 struct DataParallelOptions {
-  /// The data-parallel group; the default mesh's dp_group when null.
+  /// The data-parallel group; the default mesh's dp_cp_group (its data group, times the
+  /// context group when cp > 1: parameters are replicated over both) when null.
   TORCH_ARG(GroupPtr, group) = {};
   /// Size of a gradient bucket in MiB.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;

@@ -6,7 +6,7 @@ namespace torch_mp::optim {
 
 void DistributedOptimizer::build(const DistributedOptimizerOptions& options,
                                  const MakeLocal& make_local) {
-  GroupPtr group = options.group() ? options.group() : get_mesh()->dp_group;
+  GroupPtr group = options.group() ? options.group() : get_mesh()->dp_cp_group;
   std::vector<at::Tensor> parameters;
   std::vector<size_t> group_of;  // each parameter's param group
   for (size_t g = 0; g < param_groups().size(); ++g) {

@@ -32,7 +32,8 @@ namespace torch_mp::optim {
 
 /// Options of DistributedOptimizer.
 struct DistributedOptimizerOptions {
-  /// The data-parallel group; the default mesh's dp_group when null.
+  /// The data-parallel group; the default mesh's dp_cp_group (its data group, times the
+  /// context group when cp > 1: parameters are replicated over both) when null.
   TORCH_ARG(GroupPtr, group) = {};
   /// Size of a flat bucket of the all-gather, in MiB.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
