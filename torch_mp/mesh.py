@@ -34,7 +34,8 @@ class Mesh:
             (:meth:`torch_mp.pipeline.Pipeline` ``tied_parameters``); None on the ranks of the
             stages in between.
         cp_group, cp_size: The context-parallel group (ranks that split each sequence between
-            them, :mod:`torch_mp.context_parallel`) and its size; None and 1 without.
+            them, :mod:`torch_mp.context_parallel`) and its size; a group of one rank when
+            cp = 1 (None in a Mesh built by hand).
         dp_cp_group: The data x context ranks of this rank's pipeline and tensor coordinates,
             over which the gradients of parameters replicated over the context group are
             reduced; the data group when cp = 1.

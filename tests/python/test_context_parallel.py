@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from conftest import get_world
 from reference import error_of, use_mesh
 
-from torch_mp import _C
 from torch_mp import context_parallel as cp
 
 B, HEADS, SEQ, DIM = 2, 4, 16, 8
@@ -121,12 +120,11 @@ def _shard_and_back(world: int, load_balance: bool) -> tuple[list[int], float, f
     positions = cp.sequence_positions(SEQ, load_balance=load_balance)
     assert torch.equal(part[0, :, 0], positions.float())  # the positions it holds
     whole = cp.unshard_sequence(part, 1, load_balance=load_balance)
-    # Every rank's loss is its own part's sum weighted by (rank + 1): the gradient of x is the
-    # sum over the ranks, each on its own positions.
+    # Every rank's loss is its own part's sum weighted by (rank + 1): the gradient of x is that
+    # weight at the part's positions, zero elsewhere (the adjoint of the cut).
     (part.sum() * (dist.get_rank() + 1)).backward()
-    weights = torch.empty(SEQ)
-    for r in range(world):
-        weights[_C.context_parallel.sequence_positions(SEQ, r, world, load_balance)] = r + 1
+    weights = torch.zeros(SEQ)
+    weights[positions] = dist.get_rank() + 1
     return (
         positions.tolist(),
         (whole - x).abs().max().item(),
@@ -220,11 +218,13 @@ class _Tiny(torch.nn.Module):
         self.qkv = torch.nn.Linear(hidden, 3 * hidden)
         self.out = torch.nn.Linear(hidden, vocab)
 
-    def forward(self, tokens: torch.Tensor, attend) -> torch.Tensor:
-        b, s = tokens.shape
+    def forward(self, tokens: torch.Tensor, attend, cut=None, join=None) -> torch.Tensor:
         x = self.embedding(tokens)
+        x = x if cut is None else cut(x)
+        b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        return self.out(attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
+        logits = self.out(attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
+        return logits if join is None else join(logits)
 
 
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,11 +233,13 @@ def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _data_and_context(world: int, cp_size: int, method: str) -> float:
+def _data_and_context(world: int, cp_size: int, method: str, where: str) -> float:
     """One step of _Tiny under torch_mp.DataParallel on (dp, cp) = (world / cp, cp): each data
-    rank its rows of the batch, each context rank its part of their sequences. The gradients,
-    averaged over data x context ranks (DataParallel's default group), are the one-process
-    model's on the whole batch."""
+    rank its rows of the batch, each context rank its part of their sequences, cut where
+    ``where`` says: the token ids ("tokens"), the embeddings ("embeddings": the gradient goes
+    back through the cut), or the token ids with the logits joined again for a loss over the
+    whole sequence on every rank ("joined"). The gradients, averaged over data x context ranks
+    (DataParallel's default group), are the one-process model's on the whole batch."""
     import torch_mp
 
     mesh = use_mesh(1, 1, cp_size)
@@ -252,16 +254,54 @@ def _data_and_context(world: int, cp_size: int, method: str) -> float:
     assert model.group is mesh.dp_cp_group
     rows = slice(mesh.dp_rank * 4 // mesh.dp_size, (mesh.dp_rank + 1) * 4 // mesh.dp_size)
     mine = [cp.shard_sequence(t[rows], 1) for t in (inputs, targets)]
-    logits = model(mine[0], lambda q, k, v: cp.attention(q, k, v, is_causal=True, method=method))
-    F.cross_entropy(logits.flatten(0, 1), mine[1].flatten()).backward()
+
+    def attend(q, k, v):
+        return cp.attention(q, k, v, is_causal=True, method=method)
+
+    if where == "tokens":
+        logits, target = model(mine[0], attend), mine[1]
+    elif where == "embeddings":
+        logits = model(inputs[rows], attend, cut=lambda x: cp.shard_sequence(x, 1))
+        target = mine[1]
+    else:
+        logits = model(mine[0], attend, join=lambda x: cp.unshard_sequence(x, 1))
+        target = targets[rows]
+    F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
     return max(
         (p.grad - q.grad).abs().max().item()
         for p, q in zip(model.module.parameters(), reference.parameters(), strict=True)
     )
 
 
-@pytest.mark.parametrize("world,cp_size", [(2, 2), (4, 2)], ids=["dp1-cp2", "dp2-cp2"])
+@pytest.mark.parametrize("where", ["tokens", "embeddings", "joined"])
+@pytest.mark.parametrize(
+    "world,cp_size", [(2, 2), (4, 2), (4, 4)], ids=["dp1-cp2", "dp2-cp2", "dp1-cp4"]
+)
 @pytest.mark.parametrize("method", ["ring", "all_gather"])
-def test_data_parallel_reduces_over_data_and_context_ranks(world, cp_size, method):
-    for difference in get_world(world).run(_data_and_context, world, cp_size, method):
+def test_data_parallel_reduces_over_data_and_context_ranks(world, cp_size, method, where):
+    for difference in get_world(world).run(_data_and_context, world, cp_size, method, where):
         assert difference < 1e-5, difference
+
+
+def _ring_in(dtype: torch.dtype) -> float:
+    """The ring in float64 (the explicit block path) or bfloat16 (fused blocks, fp32
+    accumulation) against SDPA on the whole sequence in float64."""
+    use_mesh(1, 1, 2)
+    q, k, v, g = (_whole(s).double() for s in (1, 2, 3, 4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    expected.backward(g)
+    mine = [cp.shard_sequence(t, 2).to(dtype).requires_grad_() for t in (q, k, v)]
+    out = cp.attention(*mine, is_causal=True)
+    out.backward(cp.shard_sequence(g, 2).to(dtype))
+    worst = (out.double() - cp.shard_sequence(expected, 2)).abs().max().item()
+    for got, want in zip(mine, leaves, strict=True):
+        worst = max(worst, (got.grad.double() - cp.shard_sequence(want.grad, 2)).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-12), (torch.bfloat16, 5e-2)])
+def test_the_ring_in_other_dtypes(dtype, tolerance):
+    # bf16 holds 8 bits of mantissa: 5e-2 on values of order 1 is a few of its roundings.
+    for worst in get_world(2).run(_ring_in, dtype):
+        assert worst < tolerance, worst

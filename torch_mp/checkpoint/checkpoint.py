@@ -222,7 +222,9 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
     files = [
         _C.checkpoint.shard_file(pp, t) for pp in range(mesh.pp_size) for t in range(mesh.tp_size)
     ]
-    mine = _C.checkpoint.shard_file(mesh.pp_rank, mesh.tp_rank) if mesh.dp_rank == 0 else None
+    # One rank of each (pp, tp) writes: data and context replicas hold the same tensors.
+    writes = mesh.dp_rank == 0 and mesh.cp_rank == 0
+    mine = _C.checkpoint.shard_file(mesh.pp_rank, mesh.tp_rank) if writes else None
     return os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}
 
 

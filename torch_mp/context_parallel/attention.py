@@ -44,7 +44,7 @@ def attention(
             ``"all_to_all"``: Ulysses, from sequence-sharded to head-sharded and back (the
             heads and K/V heads must be divisible by cp).
         load_balance: Whether the sequence was cut load-balanced (:func:`shard_sequence`'s
-            default).
+            default). It must be the cut's: a mismatch cannot be detected.
         attn_mask: A mask for the whole sequence, as ``scaled_dot_product_attention`` would
             take it on the whole sequence (boolean: True takes part; float: added to the
             scores), broadcastable to ``[batch, heads, s, s]``; ``"all_gather"`` and
@@ -54,8 +54,9 @@ def attention(
         This rank's part of the output, ``[batch, heads, s / cp, head dim]``.
 
     Raises:
-        RuntimeError: On every rank, if the ranks' shapes differ; if the heads do not divide as
-            the method needs; for an unknown method, or a mask given to the ring.
+        RuntimeError: On every rank, if the ranks' shapes differ (checked by the ring and
+            all_to_all; not yet by all_gather); if the heads do not divide as the method needs;
+            for an unknown method, or a mask given to the ring.
     """
     return torch.ops.torch_mp.context_attention(
         q,

@@ -30,7 +30,11 @@ def shard_sequence(
 ) -> torch.Tensor:
     """This rank's part of ``x`` along ``dim``, ``x`` being the whole sequence (the same on
     every rank of the context group): with ``load_balance``, chunks r and 2 * cp - 1 - r of
-    2 * cp, else chunk r of cp. Its backward all-gathers the parts' gradients.
+    2 * cp, else chunk r of cp. Its backward puts the part's gradient in its place, zeros
+    elsewhere: the context ranks hold different parts of the data, and DataParallel averages
+    replicated parameters' gradients over data x context ranks (one process's gradients, with
+    each rank's loss a mean over its part). Pass the same ``load_balance`` to
+    :func:`attention`: a different one is not detectable, and gives wrong results.
 
     Args:
         x: The whole sequence (e.g. token ids ``[batch, s]`` or embeddings).
@@ -53,8 +57,9 @@ def unshard_sequence(
     load_balance: bool = True,
 ) -> torch.Tensor:
     """The whole sequence along ``dim`` from every rank's part ``x`` (as :func:`shard_sequence`
-    cut it, with the same ``load_balance``); its backward keeps this rank's part of the
-    gradient."""
+    cut it, with the same ``load_balance``); its backward sums the ranks' gradients of the
+    whole into each part (a reduce-scatter), so that a loss over the joined sequence on every
+    rank, averaged over the context ranks by DataParallel, gives one process's gradients."""
     return torch.ops.torch_mp.unshard_sequence(
         x, dim, _context_group(group).group_name, load_balance
     )

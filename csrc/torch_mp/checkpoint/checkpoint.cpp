@@ -186,7 +186,8 @@ SaveRequest save_request(const std::string& path,
       files.push_back(shard_file(pp, t));
     }
   }
-  const auto file = mesh->dp_rank() == 0
+  // One rank of each (pp, tp) writes: data and context replicas hold the same tensors.
+  const auto file = mesh->dp_rank() == 0 && mesh->cp_rank() == 0
                         ? std::optional<std::string>(shard_file(mesh->pp_rank(), mesh->tp_rank()))
                         : std::nullopt;
   return {std::move(shards), file, std::move(files), std::move(metadata)};

@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
 
 namespace torch_mp::context_parallel {
@@ -38,6 +39,11 @@ at::Tensor exchange_kernel(const at::Tensor& x,
   if (size == 1) {
     return x.clone(at::MemoryFormat::Contiguous);
   }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.push_back(split_dim);
+  shape.push_back(concat_dim);
+  comm::check_same_across_ranks(
+      shape, group, "torch_mp.context_parallel.all_to_all: [the shape..., split_dim, concat_dim]");
   auto input = at::stack(x.chunk(size, split_dim), 0).contiguous();  // [ranks, part...]
   auto output = at::empty_like(input);
   std::vector<int64_t> equal;

@@ -194,6 +194,11 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k, double scale, Meetin
 // CPU's fused attention kernel (flash attention for CPU) serves a block where it can: it never
 // holds the block's scores whole, and returns the log-sum-exp the merge needs; elsewhere the
 // block's scores are made explicitly.
+// The dtype the ring accumulates outputs, log-sum-exps and gradients in: at least float.
+at::ScalarType accumulation_dtype(const at::Tensor& q) {
+  return at::promote_types(q.scalar_type(), at::kFloat);
+}
+
 bool fused_block(const at::Tensor& q) {
   return q.is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
                         q.scalar_type() == at::kHalf);
@@ -212,11 +217,11 @@ std::pair<at::Tensor, at::Tensor> block_forward(
                                                                       how == Meeting::kDiagonal,
                                                                       std::nullopt,
                                                                       scale);
-    return {out, lse.to(at::kFloat)};
+    return {out, lse.to(accumulation_dtype(q))};
   }
-  const auto s = scores(q, k, scale, how);
+  const auto s = scores(q.to(accumulation_dtype(q)), k.to(accumulation_dtype(q)), scale, how);
   const auto lse = at::logsumexp(s, -1);
-  return {at::matmul(at::exp(s - lse.unsqueeze(-1)), values), lse.to(at::kFloat)};
+  return {at::matmul(at::exp(s - lse.unsqueeze(-1)), values.to(s.scalar_type())), lse};
 }
 
 // A block's gradients (dq, and dk, dv for every query head), from the whole output `out`, its
@@ -244,12 +249,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
                                                                     std::nullopt,
                                                                     scale);
   }
-  const auto p = at::exp(scores(q, k, scale, how) - lse.unsqueeze(-1));
-  const auto dp = at::matmul(grad_out, values.transpose(-2, -1));
+  const auto wide = [&](const at::Tensor& t) { return t.to(lse.scalar_type()); };
+  const auto p = at::exp(scores(wide(q), wide(k), scale, how) - lse.unsqueeze(-1));
+  const auto dp = at::matmul(wide(grad_out), wide(values).transpose(-2, -1));
   const auto ds = p * (dp - delta.unsqueeze(-1));
-  return {at::matmul(ds, keys) * scale,
-          at::matmul(ds.transpose(-2, -1), q) * scale,
-          at::matmul(p.transpose(-2, -1), grad_out)};
+  return {at::matmul(ds, wide(keys)) * scale,
+          at::matmul(ds.transpose(-2, -1), wide(q)) * scale,
+          at::matmul(p.transpose(-2, -1), wide(grad_out))};
 }
 
 // The ring's neighbours and its exchange of one tensor: sent to the next rank, received from
@@ -338,10 +344,10 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
   const Ring r{group, group->getRank(), group->getSize()};
   check_ring_inputs(q, k, v, r.group, is_causal, load_balance);
   const int64_t batch = q.size(0), local = q.size(2);
-  auto out = at::zeros_like(q, at::MemoryFormat::Contiguous);
-  auto lse = at::full({batch, q.size(1), local},
-                      -std::numeric_limits<double>::infinity(),
-                      q.options().dtype(at::kFloat));
+  const auto accumulate = q.options().dtype(accumulation_dtype(q));
+  auto out = at::zeros(q.sizes(), accumulate);
+  auto lse =
+      at::full({batch, q.size(1), local}, -std::numeric_limits<double>::infinity(), accumulate);
   const auto mine = chunks_of(r.rank, r.size, local, load_balance && is_causal);
   auto keys_values = at::cat({k, v}, 0).contiguous();  // [2b, kv heads, local, d]
   for (int64_t step = 0; step < r.size; ++step) {
@@ -378,7 +384,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
       keys_values = r.finish(*next);
     }
   }
-  return {out, lse};
+  return {out.to(q.scalar_type()), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Tensor& grad_out,
@@ -395,10 +401,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Te
   const Ring r{group, group->getRank(), group->getSize()};
   const int64_t batch = q.size(0), local = q.size(2), kv_heads = k.size(1);
   const auto dout = grad_out.contiguous();
-  const auto delta = (dout * out).sum(-1);  // [b, h, local]
-  auto dq = at::zeros_like(q, at::MemoryFormat::Contiguous);
+  const auto delta = (dout.to(accumulation_dtype(q)) * out.to(accumulation_dtype(q))).sum(-1);
+  const auto accumulate = q.options().dtype(accumulation_dtype(q));
+  auto dq = at::zeros(q.sizes(), accumulate);
   auto keys_values = at::cat({k, v}, 0).contiguous();
-  auto grads = at::zeros_like(keys_values);  // the travelling block's dK, dV
+  auto grads = at::zeros(keys_values.sizes(), accumulate);  // the travelling block's dK, dV
   const auto mine = chunks_of(r.rank, r.size, local, load_balance && is_causal);
   for (int64_t step = 0; step < r.size; ++step) {
     const int64_t source = (r.rank - step + r.size) % r.size;
@@ -443,7 +450,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Te
       keys_values = r.finish(*next);
     }
   }
-  return {dq, grads.narrow(0, 0, batch).clone(), grads.narrow(0, batch, batch).clone()};
+  return {dq.to(q.scalar_type()),
+          grads.narrow(0, 0, batch).to(k.scalar_type()),
+          grads.narrow(0, batch, batch).to(v.scalar_type())};
 }
 
 std::tuple<at::Tensor, at::Tensor> ring_forward_meta(const at::Tensor& q,
@@ -454,7 +463,8 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_meta(const at::Tensor& q,
                                                      double,
                                                      bool) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
-          at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)}, q.options())};
+          at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
+                           q.options().dtype(accumulation_dtype(q)))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_meta(const at::Tensor&,
@@ -546,7 +556,8 @@ at::Tensor ring_inference(const at::Tensor& q,
                           bool is_causal,
                           double scale,
                           bool load_balance) {
-  return std::get<0>(ring_forward_kernel(q, k, v, group, is_causal, scale, load_balance));
+  static const auto op = op_named<ForwardSignature>("torch_mp::ring_attention_forward");
+  return std::get<0>(op.call(q, k, v, group, is_causal, scale, load_balance));
 }
 
 // ---- the operator -----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ at::Tensor own_part(const at::Tensor& x, int64_t dim, int64_t rank, int64_t size
   const int64_t length = x.size(dim);
   if (!balanced) {
     const int64_t chunk = length / size;
-    return x.narrow(dim, rank * chunk, chunk).contiguous();
+    return x.narrow(dim, rank * chunk, chunk).clone(at::MemoryFormat::Contiguous);  // no alias
   }
   const int64_t chunk = length / (2 * size);
   return at::cat(
@@ -109,9 +109,41 @@ at::Tensor call_sequence_op(const char* name,
   return op.call(x, dim, group, load_balance);
 }
 
-// Each op's backward is the other's forward.
-template <bool Shard>
-struct SequenceFunction : torch::autograd::Function<SequenceFunction<Shard>> {
+// The backwards are the adjoints of the cut and of the join, the context ranks holding
+// different parts of the data (not copies of one computation): a part's gradient goes back
+// into its place in a tensor of zeros, and the whole's gradients of every rank are summed into
+// each rank's part (reduce-scatter). So a model's replicated parameters, their gradients
+// averaged over data x context ranks (DataParallel), get the one-process gradients whether a
+// rank's loss is over its own tokens or over the joined sequence.
+struct ShardFunction : torch::autograd::Function<ShardFunction> {
+  static at::Tensor forward(AutogradContext* ctx,
+                            const at::Tensor& x,
+                            const std::string& group,
+                            int64_t dim,
+                            bool load_balance) {
+    at::Tensor part;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      part = call_sequence_op("torch_mp::shard_sequence", x, dim, group, load_balance);
+    }
+    const auto g = group_named(group);  // (the op has checked the length on every rank)
+    ctx->saved_data["positions"] =
+        sequence_positions(x.size(dim), g->getRank(), g->getSize(), load_balance);
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["length"] = x.size(dim);
+    return part;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto dim = ctx->saved_data.at("dim").toInt();
+    const auto positions = ctx->saved_data.at("positions").toTensor().to(grads[0].device());
+    auto sizes = grads[0].sizes().vec();
+    sizes[dim] = ctx->saved_data.at("length").toInt();
+    auto whole = at::zeros(sizes, grads[0].options()).index_copy(dim, positions, grads[0]);
+    return {whole, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct UnshardFunction : torch::autograd::Function<UnshardFunction> {
   static at::Tensor forward(AutogradContext* ctx,
                             const at::Tensor& x,
                             const std::string& group,
@@ -121,32 +153,33 @@ struct SequenceFunction : torch::autograd::Function<SequenceFunction<Shard>> {
     ctx->saved_data["dim"] = dim;
     ctx->saved_data["load_balance"] = load_balance;
     at::AutoDispatchBelowADInplaceOrView below;
-    return call_sequence_op(Shard ? "torch_mp::shard_sequence" : "torch_mp::unshard_sequence",
-                            x,
-                            dim,
-                            group,
-                            load_balance);
+    return call_sequence_op("torch_mp::unshard_sequence", x, dim, group, load_balance);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    using ReduceScatter = at::Tensor(const at::Tensor&, int64_t, c10::string_view);
+    static const auto reduce_scatter = c10::Dispatcher::singleton()
+                                           .findSchemaOrThrow("torch_mp::reduce_scatter", "")
+                                           .typed<ReduceScatter>();
     const auto group = ctx->saved_data.at("group").toStringRef();
     const auto dim = ctx->saved_data.at("dim").toInt();
-    const bool load_balance = ctx->saved_data.at("load_balance").toBool();
-    auto grad = call_sequence_op(Shard ? "torch_mp::unshard_sequence" : "torch_mp::shard_sequence",
-                                 grads[0],
-                                 dim,
-                                 group,
-                                 load_balance);
+    const int64_t size = group_named(group)->getSize();
+    const auto order =
+        gathered_positions(grads[0].size(dim), size, ctx->saved_data.at("load_balance").toBool())
+            .to(grads[0].device());
+    auto grad = grads[0].index_select(dim, order);  // the parts one after the other
+    if (size > 1) {
+      grad = reduce_scatter.call(grad, dim, group);
+    }
     return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-template <bool Shard>
+template <typename Function>
 at::Tensor autograd_kernel(const at::Tensor& x,
                            int64_t dim,
                            c10::string_view group,
                            bool load_balance) {
-  return SequenceFunction<Shard>::apply(
-      x, std::string(group), c10::maybe_wrap_dim(dim, x.dim()), load_balance);
+  return Function::apply(x, std::string(group), c10::maybe_wrap_dim(dim, x.dim()), load_balance);
 }
 
 }  // namespace
@@ -192,8 +225,8 @@ TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
 }
 
 TORCH_LIBRARY_IMPL(torch_mp, Autograd, m) {
-  m.impl("shard_sequence", &autograd_kernel<true>);
-  m.impl("unshard_sequence", &autograd_kernel<false>);
+  m.impl("shard_sequence", &autograd_kernel<ShardFunction>);
+  m.impl("unshard_sequence", &autograd_kernel<UnshardFunction>);
 }
 
 TORCH_LIBRARY_IMPL(torch_mp, CompositeExplicitAutograd, m) {

@@ -9,13 +9,18 @@
 // Without load balancing rank r holds chunk r of cp. sequence_positions says which positions a
 // rank holds, in its order: the rotary or learned positions of its tokens.
 //
-// Both functions are operators with autograd, as scatter_to_tp / gather_from_tp are:
+// Both functions are operators with autograd. Their backwards are the adjoints of the cut and
+// of the join: the context ranks hold different parts of the data, and a model's replicated
+// parameters have their gradients averaged over data x context ranks (DataParallel), so that
+// they come out as one process's whether a rank's loss is over its part or over the joined
+// sequence. (Not scatter_to_tp's and gather_from_tp's, whose ranks compute one thing.)
 //
 //   torch.ops.torch_mp.shard_sequence(Tensor x, int dim, str group, bool load_balance=True)
 //     forward: this rank's part of the whole sequence (the same on every rank); backward: the
-//     parts' gradients all-gathered into the whole
+//     part's gradient in its place, zeros elsewhere (no communication)
 //   torch.ops.torch_mp.unshard_sequence(Tensor x, int dim, str group, bool load_balance=True)
-//     forward: the whole sequence from every rank's part; backward: this rank's part
+//     forward: the whole sequence from every rank's part; backward: the ranks' gradients of the
+//     whole summed into each part (reduce-scatter)
 
 #include <ATen/core/Tensor.h>
 
@@ -38,15 +43,15 @@ at::Tensor sequence_positions(int64_t sequence_length,
 at::Tensor gathered_positions(int64_t sequence_length, int64_t size, bool load_balance = true);
 
 /// This rank's part of `x` along `dim`, `x` being the whole sequence (the same on every rank of
-/// `group`); the gradient is all-gathered. Raises, on every rank, if the ranks pass different
-/// sequence lengths, or if the chunks do not divide the sequence.
+/// `group`); the gradient goes back into the part's place. Raises, on every rank, if the ranks pass
+/// different sequence lengths, or if the chunks do not divide the sequence.
 at::Tensor shard_sequence(const at::Tensor& x,
                           int64_t dim,
                           const GroupPtr& group,
                           bool load_balance = true);
 
-/// The whole sequence along `dim` from every rank's part `x` (as shard_sequence cut it); this
-/// rank's part of the gradient is kept.
+/// The whole sequence along `dim` from every rank's part `x` (as shard_sequence cut it); the
+/// ranks' gradients of the whole are summed into each part.
 at::Tensor unshard_sequence(const at::Tensor& x,
                             int64_t dim,
                             const GroupPtr& group,
