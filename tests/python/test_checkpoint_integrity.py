@@ -290,13 +290,13 @@ def test_a_damaged_dense_export_is_refused_and_the_file_stays_safetensors(tmp_pa
         checkpoint.load_file(file)
 
 
-BIG = torch.ones(16 << 20)  # 64 MiB of extra: a write that lasts while training steps run
+BIG = torch.ones(32 << 20)  # 128 MiB of extra: a write that lasts while training steps run
 
 
 def _async_save_then_train(path: str, reference: str) -> bool:
     """Saves (synchronously, as the reference) and starts an async save of the same state,
     then trains three steps before waiting for it; returns whether the save was still running
-    when the steps were done."""
+    when the steps began (so that they changed the tensors while it wrote)."""
     mesh = use_mesh(2)
     stage, rename = _stage_and_rename(_dense_model(), mesh)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=LR)
@@ -304,9 +304,9 @@ def _async_save_then_train(path: str, reference: str) -> bool:
     extra = {"step": 1, "big": BIG}
     checkpoint.save(reference, stage, optimizer, extra=extra, rename=rename)
     handle = checkpoint.async_save(path, stage, optimizer, extra=extra, rename=rename)
+    overlapped = not handle.done()
     for i in range(3):
         _parallel_step(stage, optimizer, TARGETS[i % 2])  # in place, while the save writes
-    overlapped = not handle.done()
     handle.wait()
     assert handle.done()
     return overlapped
@@ -329,7 +329,7 @@ def test_an_async_save_holds_the_state_of_the_moment_of_the_call(tmp_path):
     # tp = 1 on two.
     path, reference = str(tmp_path / "async"), str(tmp_path / "sync")
     overlapped = get_world(4).run(_async_save_then_train, path, reference)
-    assert overlapped[0], "the save was done before the training steps: nothing was tested"
+    assert all(overlapped), "the save was done before the training steps: nothing was tested"
     assert checkpoint.verify(path) == []
     for (weights, moments), (want_weights, want_moments) in zip(
         get_world(2).run(_load_at_tp1, path), get_world(2).run(_load_at_tp1, reference), strict=True
