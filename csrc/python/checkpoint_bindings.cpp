@@ -20,6 +20,15 @@ GroupPtr resolve_or_null(const std::optional<std::string>& group) {
   return group ? resolve(*group) : nullptr;
 }
 
+// A save's root files (name -> bytes from Python) as the core takes them.
+std::map<std::string, std::string> contents_of(const std::map<std::string, py::bytes>& files) {
+  std::map<std::string, std::string> contents;
+  for (const auto& [name, bytes] : files) {
+    contents[name] = bytes;
+  }
+  return contents;
+}
+
 }  // namespace
 
 void bind_checkpoint(py::module_& parent) {
@@ -70,10 +79,7 @@ void bind_checkpoint(py::module_& parent) {
          const std::map<std::string, std::string>& metadata,
          const std::map<std::string, py::bytes>& root_files,
          const std::optional<std::string>& group) {
-        std::map<std::string, std::string> contents;
-        for (const auto& [name, bytes] : root_files) {
-          contents[name] = bytes;
-        }
+        const auto contents = contents_of(root_files);
         py::gil_scoped_release release;
         ckpt::save(path, shards, file, files, metadata, contents, resolve_or_null(group));
       },
@@ -98,10 +104,7 @@ void bind_checkpoint(py::module_& parent) {
          const std::map<std::string, std::string>& metadata,
          const std::map<std::string, py::bytes>& root_files,
          const std::string& group) {
-        std::map<std::string, std::string> contents;
-        for (const auto& [name, bytes] : root_files) {
-          contents[name] = bytes;
-        }
+        const auto contents = contents_of(root_files);
         py::gil_scoped_release release;
         return ckpt::async_save(path, shards, file, files, metadata, contents, resolve(group));
       },

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from conftest import get_world
 from multiprocess import free_port
 from reference import error_of, use_mesh
-from test_checkpoint import LR, TARGETS, _dense_model, _parallel_step
+from test_checkpoint import LR, TARGETS, _dense_model, _load_extra, _parallel_step
 from test_checkpoint_dense import _stage_and_rename
 
 from torch_mp import _C, checkpoint
@@ -379,11 +379,6 @@ while True:  # training goes on until the process is killed
     model(torch.randn(8, 4)).sum().backward()
     time.sleep(0.001)
 """
-
-
-def _load_extra(path: str):
-    use_mesh(1)
-    return checkpoint.load(path, torch.nn.Linear(4, 4))
 
 
 def test_a_sigkill_during_the_background_write_leaves_the_previous_checkpoint_intact(tmp_path):

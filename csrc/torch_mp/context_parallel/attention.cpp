@@ -401,7 +401,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Te
   const Ring r{group, group->getRank(), group->getSize()};
   const int64_t batch = q.size(0), local = q.size(2), kv_heads = k.size(1);
   const auto dout = grad_out.contiguous();
-  const auto delta = (dout.to(accumulation_dtype(q)) * out.to(accumulation_dtype(q))).sum(-1);
+  // rowsum(grad_out * out), which the explicit blocks need (the fused kernel makes its own).
+  const auto delta = fused_block(q)
+                         ? at::Tensor()
+                         : (dout.to(accumulation_dtype(q)) * out.to(accumulation_dtype(q))).sum(-1);
   const auto accumulate = q.options().dtype(accumulation_dtype(q));
   auto dq = at::zeros(q.sizes(), accumulate);
   auto keys_values = at::cat({k, v}, 0).contiguous();
@@ -432,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Te
                                                          values.narrow(2, kc.offset, kc.length),
                                                          rows(out),
                                                          rows(lse),
-                                                         rows(delta),
+                                                         delta.defined() ? rows(delta) : delta,
                                                          scale,
                                                          how);
           dq.narrow(2, qc.offset, qc.length).add_(dq_c);
