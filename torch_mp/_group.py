@@ -6,9 +6,9 @@ import copy
 
 
 class SharesGroup:
-    """Mixin for modules with a ``group`` attribute.
+    """Mixin for modules with a ``group`` attribute (and perhaps a ``context_group``).
 
-    - ``copy.deepcopy`` shares the group (a communicator, not state; c10d groups cannot be
+    - ``copy.deepcopy`` shares the groups (communicators, not state; c10d groups cannot be
       copied) and copies everything else.
     - Parameter layouts (:func:`torch_mp.layout_of`) follow the parameters: a module records
       the layouts of its own parameters in :meth:`_register_layouts`, which runs again whenever
@@ -29,7 +29,8 @@ class SharesGroup:
         self._register_layouts()
 
     def __deepcopy__(self, memo):
-        memo[id(self.group)] = self.group
+        for group in (self.group, getattr(self, "context_group", None)):
+            memo[id(group)] = group
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
         for key, value in self.__dict__.items():

@@ -233,6 +233,9 @@ void bind_blocks(py::module_& m) {
         py::arg("dropout"),
         py::arg("sequence_parallel"),
         py::arg("group"),
+        py::arg("context_group") = "",
+        py::arg("context_method") = "ring",
+        py::arg("load_balance") = true,
         ReleaseGil());
   m.def("check_parallel_mlp",
         by_group_name(&tp::check_parallel_mlp),

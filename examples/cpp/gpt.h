@@ -11,7 +11,9 @@
 //
 // In the stages, the vocabulary (embedding rows, logits, loss), the attention heads and the MLP
 // are split across the tensor group; with sequence parallelism the LayerNorms and residuals act
-// on each rank's chunk of the sequence. The first stage holds the embeddings, the last the final
+// on each rank's chunk of the sequence. With a context group each of its ranks holds its part of
+// every sequence (load-balanced, context_parallel::shard_sequence) from the embeddings to the
+// loss, the mean over the whole sequence. The first stage holds the embeddings, the last the final
 // norm and the head: a copy of the embedding tied to it across the pipeline (or the embedding
 // itself when one stage holds both).
 
@@ -223,7 +225,9 @@ inline torch::Tensor dense_loss(const torch::Tensor& logits, const torch::Tensor
 /// plus the embeddings on the first stage and the final norm and (tied) head on the last. The
 /// first stage takes [b, s] token ids; stages pass [s, b, h] activations ([s / t, b, h] under
 /// sequence parallelism); the last returns this rank's [s, b, ceil(vocab / t)] slice of the
-/// logits, for loss().
+/// logits, for loss(). With a `context_group` the first stage keeps this rank's part of the
+/// tokens and positions (s above is the part's s / cp), the layers' attention meets the other
+/// parts by `context_method`, and loss() takes the whole targets and keeps the same part.
 struct GptStageImpl : torch::nn::Module {
   GptStageImpl(const DenseGpt& dense,
                int64_t first_layer,
@@ -232,13 +236,16 @@ struct GptStageImpl : torch::nn::Module {
                bool last,
                bool sequence_parallel,
                torch_mp::GroupPtr group,
-               const std::string& recompute = "")
+               const std::string& recompute = "",
+               torch_mp::GroupPtr context_group = nullptr,
+               const std::string& context_method = "ring")
       : first(first),
         last(last),
         sequence_parallel(sequence_parallel),
         first_layer(first_layer),
         vocab(dense->config.vocab),
-        group(std::move(group)) {
+        group(std::move(group)),
+        context_group(std::move(context_group)) {
     if (first) {
       tok = register_module("tok",
                             tp::VocabParallelEmbeddingImpl::from_dense(dense->tok, this->group));
@@ -248,9 +255,16 @@ struct GptStageImpl : torch::nn::Module {
                                 torch::nn::EmbeddingFromPretrainedOptions().freeze(false)));
     }
     layers = register_module("layers", torch::nn::ModuleList());
+    const auto& c = dense->config;
+    const auto options = tp::ParallelTransformerLayerOptions(c.hidden, c.heads, c.ffn)
+                             .sequence_parallel(sequence_parallel)
+                             .recompute(recompute)
+                             .group(this->group)
+                             .context_parallel(this->context_group != nullptr)
+                             .context_group(this->context_group)
+                             .context_method(context_method);
     for (int64_t i = first_layer; i < first_layer + count; ++i) {
-      layers->push_back(tp::ParallelTransformerLayerImpl::from_dense(
-          dense->layer(i), this->group, sequence_parallel, recompute));
+      layers->push_back(tp::ParallelTransformerLayerImpl::from_dense(dense->layer(i), options));
     }
     if (last) {
       norm = register_module("norm", torch_mp::dense::LayerNorm(dense->norm->options));
@@ -269,9 +283,15 @@ struct GptStageImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& input) {
     auto x = input;
     if (first) {
-      const auto tokens = input.t();
+      auto tokens = input.t();
+      auto positions = torch::arange(tokens.size(0));
+      if (context_group) {  // this rank's part of the sequence, from here to the loss
+        positions = torch_mp::context_parallel::sequence_positions(
+            tokens.size(0), context_group->getRank(), context_group->getSize());
+        tokens = torch_mp::context_parallel::shard_sequence(tokens, 0, context_group);
+      }
       // Every rank computes the whole embedding (the vocab-parallel lookup all-reduces).
-      x = tok(tokens) + pos(torch::arange(tokens.size(0))).unsqueeze(1);
+      x = tok(tokens) + pos(positions).unsqueeze(1);
       if (sequence_parallel) {
         // This rank's chunk of the sequence; scatter_to_tp gives the tables the whole
         // sequence's gradient (its backward all-gathers).
@@ -292,10 +312,21 @@ struct GptStageImpl : torch::nn::Module {
     return torch::matmul(h, head->weight.t());
   }
 
-  /// The last stage's loss: vocabulary-parallel cross-entropy against [b, s] targets.
+  /// The last stage's loss: vocabulary-parallel cross-entropy against [b, s] targets (under
+  /// context parallelism this rank's part of them, the mean over the context group's tokens).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& target) const {
-    return tp::vocab_parallel_cross_entropy(
-        logits.to(torch::kFloat), target.t(), group, -100, 0.0, at::Reduction::Mean, vocab);
+    auto mine = target.t();
+    if (context_group) {
+      mine = torch_mp::context_parallel::shard_sequence(mine, 0, context_group);
+    }
+    return tp::vocab_parallel_cross_entropy(logits.to(torch::kFloat),
+                                            mine,
+                                            group,
+                                            -100,
+                                            0.0,
+                                            at::Reduction::Mean,
+                                            vocab,
+                                            context_group);
   }
 
   /// How this stage's names map to DenseGpt's, for torch_mp::checkpoint: its layers renumbered,
@@ -311,7 +342,7 @@ struct GptStageImpl : torch::nn::Module {
 
   bool first, last, sequence_parallel;
   int64_t first_layer, vocab;
-  torch_mp::GroupPtr group;
+  torch_mp::GroupPtr group, context_group;
   tp::VocabParallelEmbedding tok = nullptr, head = nullptr;
   torch::nn::Embedding pos = nullptr;
   torch::nn::ModuleList layers = nullptr;

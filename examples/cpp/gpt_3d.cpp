@@ -1,8 +1,9 @@
-// Trains a small GPT on data x pipeline x tensor parallel ranks from a LibTorch application: the
-// C++ counterpart of examples/python/gpt_3d.py.
+// Trains a small GPT on data x pipeline x tensor (x context) parallel ranks from a LibTorch
+// application: the C++ counterpart of examples/python/gpt_3d.py.
 //
 //   torchrun --standalone --no-python --nproc-per-node=8 build/examples/cpp/gpt_3d \
 //       --tp 2 --pp 2 --dp 2 --schedule 1f1b [--sequence-parallel] [--steps N] [--check] \
+//       [--cp N [--cp-method ring|all_gather|all_to_all]] \
 //       [--save-every N --checkpoint DIR] [--resume] [--probe FILE] [--sample N]
 //
 // The model is gpt.h's (torch_mp.models.gpt's twin): token and learned position embeddings,
@@ -17,7 +18,10 @@
 //   embeddings, the last the final norm and the head, a copy of the embedding tied to it
 //   (Pipeline::tie_parameters);
 // - data: every stage wrapped in torch_mp::DataParallel, each data rank given its share of the
-//   batch; torch_mp::clip_grad_norm_ clips by the norm of the whole model.
+//   batch; torch_mp::clip_grad_norm_ clips by the norm of the whole model;
+// - context (--cp): each sequence split over the context group, each rank holding its
+//   load-balanced part from the embeddings to the loss (the mean over the whole sequence), the
+//   attention meeting the other parts by --cp-method; gradients averaged over data x context.
 //
 // With --check every rank also trains the dense model on the whole batch, and after every step
 // takes the stages' parameters (rounding differences would otherwise compound as the model
@@ -64,7 +68,8 @@ constexpr double kLossTolerance = 1e-5, kParameterTolerance = 1e-4;
 constexpr double kBf16LossTolerance = 1e-3, kBf16ParameterTolerance = 1e-2;
 
 struct Args {
-  int64_t tp = 1, pp = 1, dp = -1;
+  int64_t tp = 1, pp = 1, dp = -1, cp = 1;
+  std::string cp_method = "ring";
   std::string schedule = "1f1b";
   bool sequence_parallel = false;
   int zero = 0;  // 1: AdamW's state sharded over the data ranks; 2: the gradients too
@@ -88,6 +93,7 @@ Args parse(int argc, char** argv) {
   std::map<std::string, int64_t*> integers{{"--tp", &a.tp},
                                            {"--pp", &a.pp},
                                            {"--dp", &a.dp},
+                                           {"--cp", &a.cp},
                                            {"--batch", &a.batch},
                                            {"--microbatches", &a.microbatches},
                                            {"--seq", &a.seq},
@@ -136,6 +142,8 @@ Args parse(int argc, char** argv) {
       a.schedule = argv[++i];
     } else if (i + 1 < argc && flag == "--recompute") {
       a.recompute = argv[++i];
+    } else if (i + 1 < argc && flag == "--cp-method") {
+      a.cp_method = argv[++i];
     } else {
       throw std::invalid_argument("gpt_3d: unknown or incomplete argument " + flag);
     }
@@ -312,7 +320,8 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
 
 int run(int argc, char** argv) {
   const Args a = parse(argc, argv);
-  auto options = torch_mp::InitOptions().tp(a.tp).pp(a.pp).timeout(std::chrono::seconds(60));
+  auto options =
+      torch_mp::InitOptions().tp(a.tp).pp(a.pp).cp(a.cp).timeout(std::chrono::seconds(60));
   if (a.dp > 0) {
     options.dp(a.dp);
   }
@@ -342,9 +351,12 @@ int run(int argc, char** argv) {
                      stage == a.pp - 1,
                      a.sequence_parallel,
                      mesh->tp_group,
-                     a.recompute);
+                     a.recompute,
+                     a.cp > 1 ? mesh->cp_group : nullptr,
+                     a.cp_method);
   const int zero = a.bf16 ? 2 : a.zero;
-  auto data_parallel = torch_mp::DataParallelOptions().group(mesh->dp_group);
+  // Parameters are replicated over data x context ranks (dp_group when cp = 1).
+  auto data_parallel = torch_mp::DataParallelOptions().group(mesh->dp_cp_group);
   data_parallel.shard_gradients(zero >= 2);
   if (a.bf16) {
     mine->to(torch::kBFloat16);
@@ -370,7 +382,7 @@ int run(int argc, char** argv) {
   const auto adamw = torch::optim::AdamWOptions(a.lr).weight_decay(0.01);
   std::unique_ptr<torch::optim::Optimizer> owned_optimizer;
   if (zero > 0) {
-    auto sharded = torch_mp::DistributedOptimizerOptions().group(mesh->dp_group);
+    auto sharded = torch_mp::DistributedOptimizerOptions().group(mesh->dp_cp_group);
     if (a.bf16) {
       sharded.master_dtype(torch::kFloat);
     }
@@ -384,13 +396,14 @@ int run(int argc, char** argv) {
   if (is_rank0) {
     std::printf(
         "gpt_3d: %lld layers of hidden size %lld, vocabulary %lld: tp=%lld x pp=%lld x "
-        "dp=%lld ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s%s\n",
+        "dp=%lld%s ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s%s\n",
         static_cast<long long>(a.layers),
         static_cast<long long>(a.hidden),
         static_cast<long long>(config.vocab),
         static_cast<long long>(mesh->tp_size()),
         static_cast<long long>(mesh->pp_size()),
         static_cast<long long>(mesh->dp_size()),
+        a.cp > 1 ? (" x cp=" + std::to_string(a.cp) + " (" + a.cp_method + ")").c_str() : "",
         a.schedule.c_str(),
         a.sequence_parallel ? "on" : "off",
         zero > 0 ? (zero > 1 ? ", AdamW and gradients sharded over the data ranks"
@@ -428,9 +441,10 @@ int run(int argc, char** argv) {
     torch_mp::clip_grad_norm_(parameters, a.clip, 2.0, mesh);
     set_learning_rate(optimizer, schedule.at(step));
     optimizer.step();
-    // The whole batch's loss: the last stage's, once per data rank, averaged.
+    // The whole batch's loss: the last stage's, once per data rank (the context ranks' are the
+    // same mean over their sequences), averaged.
     auto shared = torch::zeros({1}, torch::kDouble);
-    if (loss && mesh->tp_rank() == 0) {
+    if (loss && mesh->tp_rank() == 0 && mesh->cp_rank() == 0) {
       shared[0] = loss->item<double>();
     }
     const double value = torch_mp::comm::all_reduce(shared, mesh->world).item<double>() /

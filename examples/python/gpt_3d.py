@@ -23,6 +23,10 @@ package) with AdamW (warm-up, then cosine decay) and gradient clipping
   tied copies' pieces).
 - ``--bf16``: bf16 parameters and compute, fp32 main gradients and fp32 masters (ZeRO-2); the
   reference runs the same recipe on one process, and ``--check`` holds it to bf16's roundings.
+- Context parallelism (``--cp``): each sequence is split over a context group of ranks, each
+  holding its load-balanced part (two chunks of ``s / (2 cp)``) from the embeddings to the loss;
+  only attention meets the other parts, by ``--cp-method`` (ring by default). The loss is the mean
+  over the whole sequence, and the gradients are averaged over data x context ranks.
 - Activation recomputation (``--recompute full|selective``): each layer keeps only its input
   and runs again in the backward, or recomputes its attention core only, with the same dropout
   masks: the same gradients, less activation memory.
@@ -91,7 +95,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--dp", type=int, default=None, help="default: world / (tp * pp)")
+    parser.add_argument("--dp", type=int, default=None, help="default: world / (tp * pp * cp)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sequence")
+    parser.add_argument(
+        "--cp-method",
+        default="ring",
+        choices=list(torch_mp.context_parallel.METHODS),
+        help="how the context ranks' attention meets the other parts",
+    )
     parser.add_argument("--schedule", default="1f1b", choices=pipeline.schedule_names())
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument(
@@ -116,7 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--batch", type=int, default=32, help="sequences per data rank and step")
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=32, help="divisible by --tp")
+    parser.add_argument(
+        "--seq", type=int, default=32, help="divisible by --tp and by 2 * --cp (x --tp with -sp)"
+    )
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4, help="divisible by --tp")
     parser.add_argument("--ffn", type=int, default=128, help="divisible by --tp")
@@ -171,6 +184,7 @@ def options_of(args: argparse.Namespace) -> TrainingOptions:
         warmup=args.warmup,
         decay_steps=args.steps if args.decay_steps is None else args.decay_steps,
         min_lr=args.lr / 10 if args.min_lr is None else args.min_lr,
+        context_method=args.cp_method,
     )
 
 
@@ -221,7 +235,7 @@ def show_sample(trainer: Trainer3D, config: GPTConfig, corpus: Corpus, args) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    mesh = torch_mp.init(tp=args.tp, pp=args.pp, dp=args.dp, backend="gloo", timeout=60)
+    mesh = torch_mp.init(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, backend="gloo", timeout=60)
     rank = dist.get_rank()
     corpus = Corpus()
     torch.manual_seed(args.seed)  # the same dense model on every rank
@@ -232,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(
             f"GPT, {args.layers} layers of hidden size {args.hidden}, vocabulary {corpus.vocab}: "
-            f"tp={mesh.tp_size} x pp={mesh.pp_size} x dp={mesh.dp_size} ranks, schedule "
-            f"{args.schedule}, sequence parallel {'on' if args.sequence_parallel else 'off'}, "
+            f"tp={mesh.tp_size} x pp={mesh.pp_size} x dp={mesh.dp_size}"
+            f"{f' x cp={mesh.cp_size} ({args.cp_method})' if mesh.cp_size > 1 else ''} ranks, "
+            f"schedule {args.schedule}, "
+            f"sequence parallel {'on' if args.sequence_parallel else 'off'}, "
             f"{'DistributedDataParallel' if args.ddp else 'torch_mp.DataParallel'}"
             f"{', AdamW sharded over the data ranks' if args.zero or args.bf16 else ''}"
             f"{', gradients too' if args.zero == 2 or args.bf16 else ''}"

@@ -20,6 +20,7 @@ from reference import use_mesh
 from torch import nn
 
 import torch_mp
+from torch_mp import context_parallel as cp
 from torch_mp import dense
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -301,3 +302,33 @@ def test_the_package_has_one_definition_of_the_math():
     assert not (package / "ops.py").exists()
     for source in package.rglob("*.py"):
         assert "is_compiling" not in source.read_text(), source
+
+
+def _context_parallel_layer(tp: int, method: str) -> None:
+    """A layer whose sequence is split over a context group of 2 (each tensor rank's heads
+    through it): compiled whole, it equals eager, and the loss's mean over the context group
+    compiles too."""
+    use_mesh(tp, 1, 2)
+    torch.manual_seed(1)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, norm_first=True)
+    parallel = torch_mp.ParallelTransformerLayer.from_dense(
+        layer, context_parallel=True, context_method=method
+    )
+    x = cp.shard_sequence(torch.randn(8, 2, 16), 0)
+    _no_graph_break(lambda x: parallel(x, is_causal=True), x)
+    _compiled_equals_eager(_Causal(parallel), lambda y: y.square().sum(), x)
+    target = cp.shard_sequence(torch.randint(0, 16, (8, 2), generator=torch.Generator()), 0)
+
+    def loss(logits):
+        return torch_mp.vocab_parallel_cross_entropy(logits, target, context_parallel=True)
+
+    logits = cp.shard_sequence(torch.randn(8, 2, 16), 0).chunk(tp, -1)[dist.get_rank() % tp]
+    _no_graph_break(loss, logits)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(logits), loss(logits), **TOL)
+
+
+@pytest.mark.parametrize("method", ["ring", "all_gather", "all_to_all"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_context_parallel_layer_compiles_whole_and_equals_eager(tp, method):
+    get_world(2 * tp).run(_context_parallel_layer, tp, method)

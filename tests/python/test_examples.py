@@ -106,6 +106,19 @@ def test_gpt_3d_example_under_torchrun(flags, tmp_path):
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", picture
 
 
+def test_gpt_3d_example_with_context_parallelism_matches_one_process():
+    # Sequences of 64 split over 2 context ranks (the ring), in 2 pipeline stages: --check fails
+    # the run unless every step agrees with one process on the whole sequences.
+    stdout = _run_example(
+        "gpt_3d.py",
+        4,
+        *("--pp", "2", "--cp", "2", "--seq", "64", "--steps", "3", "--check", "--sample", "0"),
+    )
+    assert "tp=1 x pp=2 x dp=1 x cp=2 (ring) ranks" in stdout
+    assert "step 3/3  loss" in stdout
+    assert ": OK" in stdout
+
+
 def test_llama_example_with_the_memory_savers_matches_one_process():
     # A Hugging Face Llama from a small config, parallelize'd over tp 2 x dp 2, in bf16 with fp32
     # main gradients and masters, ZeRO-2 and recomputed decoder layers: --check fails the run

@@ -58,6 +58,8 @@ def _train_3d(
     ddp: bool,
     zero: int = 0,
     recompute: str | None = None,
+    cp: int = 1,
+    context_method: str = "ring",
 ) -> None:
     options = TrainingOptions(
         schedule=schedule,
@@ -66,8 +68,9 @@ def _train_3d(
         recompute=recompute,
         ddp=ddp,
         zero=zero,
+        context_method=context_method,
     )
-    mesh = use_mesh(tp, pp)
+    mesh = use_mesh(tp, pp, cp)
     corpus = Corpus()
     config = _config(corpus.vocab)
     torch.manual_seed(0)
@@ -125,15 +128,38 @@ def test_gpt_1x2x2_equals_one_process(schedule, ddp, world4):
     world4.run(_train_3d, 1, 2, schedule, False, ddp)
 
 
+@pytest.mark.parametrize(
+    "tp, pp, cp, schedule, sequence_parallel, ddp, zero, method",
+    [
+        (1, 2, 2, "1f1b", False, False, 0, "ring"),
+        (1, 2, 2, "zb_h1", False, True, 0, "all_to_all"),
+        (2, 1, 2, "gpipe", True, False, 1, "all_gather"),
+        (2, 2, 2, "interleaved_1f1b", True, False, 0, "ring"),
+    ],
+    ids=[
+        "pp2-cp2-dp2-ring",
+        "pp2-cp2-dp2-zb-DDP-a2a",
+        "tp2-cp2-dp2-sp-zero1-all_gather",
+        "tp2-pp2-cp2-sp",
+    ],
+)
+def test_gpt_with_context_parallelism_equals_one_process(
+    tp, pp, cp, schedule, sequence_parallel, ddp, zero, method, world8
+):
+    # Each sequence of 8 split over 2 context ranks (load-balanced chunks of 2), the loss the mean
+    # over the whole sequence, the gradients averaged over data x context ranks.
+    world8.run(_train_3d, tp, pp, schedule, sequence_parallel, ddp, zero, None, cp, method)
+
+
 # ---- Checkpoints across layouts -------------------------------------------------------------
 
 GLOBAL_BATCH = 8
 
 
-def _trainer(tp: int, pp: int, seed: int):
-    """A GPT trainer at (tp, pp) with dp = world / (tp pp), each data rank's batch such that the
-    global batch is the same at every layout."""
-    mesh = use_mesh(tp, pp)
+def _trainer(tp: int, pp: int, seed: int, cp: int = 1):
+    """A GPT trainer at (tp, pp, cp) with dp = world / (tp pp cp), each data rank's batch such
+    that the global batch is the same at every layout."""
+    mesh = use_mesh(tp, pp, cp)
     batch = GLOBAL_BATCH // mesh.dp_size
     options = TrainingOptions(microbatches=min(2, batch))
     corpus = Corpus()
@@ -143,18 +169,18 @@ def _trainer(tp: int, pp: int, seed: int):
     return trainer, config, options, corpus, mesh, batch
 
 
-def _train_and_save(tp: int, pp: int, path: str) -> None:
-    trainer, config, _, corpus, mesh, batch = _trainer(tp, pp, seed=0)
+def _train_and_save(tp: int, pp: int, path: str, cp: int = 1) -> None:
+    trainer, config, _, corpus, mesh, batch = _trainer(tp, pp, seed=0, cp=cp)
     inputs, target = corpus.batch(1, GLOBAL_BATCH, config.seq)
     mine = slice(mesh.dp_rank * batch, (mesh.dp_rank + 1) * batch)
     trainer.step(inputs[mine], target[mine])
     trainer.save(path, step=1)
 
 
-def _load_and_continue(tp: int, pp: int, path: str) -> tuple[float, float, float]:
-    """Loads at (tp, pp) a model of other values, takes step 2; returns its loss, the
+def _load_and_continue(tp: int, pp: int, path: str, cp: int = 1) -> tuple[float, float, float]:
+    """Loads at (tp, pp, cp) a model of other values, takes step 2; returns its loss, the
     uninterrupted one-process run's, and the worst parameter difference after it."""
-    trainer, config, options, corpus, mesh, batch = _trainer(tp, pp, seed=1)
+    trainer, config, options, corpus, mesh, batch = _trainer(tp, pp, seed=1, cp=cp)
     step = trainer.load(path)
     assert step == 1
     torch.manual_seed(0)
@@ -180,5 +206,24 @@ def test_saved_at_2x2x2_the_next_step_at_any_layout_equals_the_uninterrupted_run
     path = str(tmp_path / "ckpt")
     world8.run(_train_and_save, 2, 2, path)
     for loss, expected, worst in get_world(world_size).run(_load_and_continue, tp, pp, path):
+        assert abs(loss - expected) <= 1e-5 * abs(expected) + 1e-6, (loss, expected)
+        assert worst <= PARAMETER_TOLERANCE, worst
+
+
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [((1, 2, 2, 8), (2, 2, 1, 8)), ((2, 2, 1, 8), (1, 2, 2, 4)), ((1, 2, 2, 8), (1, 1, 4, 4))],
+    ids=["cp2-to-cp1", "cp1-to-cp2", "cp2-to-cp4"],
+)
+def test_checkpoints_cross_context_parallel_layouts(saved, loaded, tmp_path):
+    # (tp, pp, cp, world) saved and loaded: the parameters are replicated over the context
+    # group, so cp does not change the format; the next step equals the uninterrupted run.
+    from conftest import get_world
+
+    path = str(tmp_path / "ckpt")
+    tp, pp, cp, world = saved
+    get_world(world).run(_train_and_save, tp, pp, path, cp)
+    tp, pp, cp, world = loaded
+    for loss, expected, worst in get_world(world).run(_load_and_continue, tp, pp, path, cp):
         assert abs(loss - expected) <= 1e-5 * abs(expected) + 1e-6, (loss, expected)
         assert worst <= PARAMETER_TOLERANCE, worst

@@ -54,9 +54,8 @@ def attention(
         This rank's part of the output, ``[batch, heads, s / cp, head dim]``.
 
     Raises:
-        RuntimeError: On every rank, if the ranks' shapes differ (checked by the ring and
-            all_to_all; not yet by all_gather); if the heads do not divide as the method needs;
-            for an unknown method, or a mask given to the ring.
+        RuntimeError: On every rank, if the ranks' shapes differ; if the heads do not divide
+            as the method needs; for an unknown method, or a mask given to the ring.
     """
     return torch.ops.torch_mp.context_attention(
         q,

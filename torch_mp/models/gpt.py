@@ -8,9 +8,11 @@ giving ``[s, b, vocab]`` logits. The C++ examples define the same model, corpus 
 
 In the stages, the vocabulary (embedding rows, logits, loss), the attention heads and the MLP are
 split across the tensor group; with ``sequence_parallel`` the LayerNorms and residuals act on
-each rank's chunk of the sequence. The first stage holds the embeddings, the last the final norm
-and the head, a copy of the embedding tied to it across the pipeline (or the embedding itself
-when one stage holds both).
+each rank's chunk of the sequence. With ``context_parallel`` each rank of the context group holds
+its part of every sequence (load-balanced, :func:`torch_mp.context_parallel.shard_sequence`) from
+the embeddings to the loss, which is the mean over the whole sequence. The first stage holds the
+embeddings, the last the final norm and the head, a copy of the embedding tied to it across the
+pipeline (or the embedding itself when one stage holds both).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import torch_mp
-from torch_mp import collectives
+from torch_mp import collectives, context_parallel
 
 __all__ = [
     "Corpus",
@@ -174,7 +176,10 @@ class GPTStage(nn.Module):
 
     The first stage takes ``[b, s]`` token ids; stages pass ``[s, b, h]`` activations
     (``[s / t, b, h]`` under sequence parallelism); the last returns this rank's
-    ``[s, b, ceil(vocab / t)]`` slice of the logits, for :meth:`loss`.
+    ``[s, b, ceil(vocab / t)]`` slice of the logits, for :meth:`loss`. Under
+    ``context_parallel`` the first stage keeps this rank's part of the tokens (and of the
+    positions), so that ``s`` above is the part's ``s / cp``; :meth:`loss` takes the whole
+    targets and keeps the same part.
     """
 
     def __init__(
@@ -185,9 +190,12 @@ class GPTStage(nn.Module):
         last: bool,
         sequence_parallel: bool = False,
         recompute: str | None = None,
+        context_parallel: bool = False,
+        context_method: str = "ring",
     ) -> None:
         super().__init__()
         self.first, self.last, self.sequence_parallel = first, last, sequence_parallel
+        self.context_parallel = context_parallel
         self.vocab = dense.config.vocab
         self.layer_ids = layers
         if first:
@@ -195,7 +203,11 @@ class GPTStage(nn.Module):
             self.pos = copy.deepcopy(dense.pos)  # replicated on every rank
         self.layers = nn.ModuleList(
             torch_mp.ParallelTransformerLayer.from_dense(
-                dense.layers[i], sequence_parallel=sequence_parallel, recompute=recompute
+                dense.layers[i],
+                sequence_parallel=sequence_parallel,
+                recompute=recompute,
+                context_parallel=context_parallel,
+                context_method=context_method,
             )
             for i in layers
         )
@@ -210,9 +222,12 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             tokens = x.T
-            s = tokens.shape[0]
+            positions = torch.arange(tokens.shape[0])
+            if self.context_parallel:  # this rank's part of the sequence, from here to the loss
+                positions = context_parallel.sequence_positions(tokens.shape[0])
+                tokens = context_parallel.shard_sequence(tokens, 0)
             # Every rank computes the whole embedding (the vocab-parallel lookup all-reduces).
-            x = self.tok(tokens) + self.pos(torch.arange(s))[:, None]
+            x = self.tok(tokens) + self.pos(positions)[:, None]
             if self.sequence_parallel:
                 # This rank's chunk of the sequence; scatter_to_tp (not a plain chunk) gives the
                 # tables the whole sequence's gradient (its backward all-gathers).
@@ -229,9 +244,16 @@ class GPTStage(nn.Module):
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The last stage's loss: vocabulary-parallel cross-entropy against ``[b, s]`` targets
-        (in fp32 whatever the logits' dtype)."""
+        (in fp32 whatever the logits' dtype); under context parallelism this rank's part of
+        them, the mean taken over the context group's tokens."""
+        target = target.T
+        if self.context_parallel:
+            target = context_parallel.shard_sequence(target, 0)
         return torch_mp.vocab_parallel_cross_entropy(
-            logits.float(), target.T, vocab_size=self.vocab
+            logits.float(),
+            target,
+            vocab_size=self.vocab,
+            context_parallel=self.context_parallel,
         )
 
     def dense_names(self) -> dict[str, str]:
@@ -255,10 +277,13 @@ def build_stages(
     stages_per_rank: int = 1,
     sequence_parallel: bool = False,
     recompute: str | None = None,
+    context_method: str = "ring",
 ) -> list[GPTStage]:
     """This rank's stages (``mesh.pp_rank``, ``+ pp``, ...) of ``dense`` cut into
     ``pp * stages_per_rank`` stages of equal numbers of layers; ``recompute`` the layers'
-    activation recomputation (None, ``"full"`` or ``"selective"``)."""
+    activation recomputation (None, ``"full"`` or ``"selective"``). With a context group
+    (``mesh.cp_size > 1``) the stages are context-parallel, their attention by
+    ``context_method``."""
     num_stages = mesh.pp_size * stages_per_rank
     layers = len(dense.layers)
     if layers % num_stages:
@@ -272,6 +297,8 @@ def build_stages(
             last=s == num_stages - 1,
             sequence_parallel=sequence_parallel,
             recompute=recompute,
+            context_parallel=mesh.cp_size > 1,
+            context_method=context_method,
         )
         for s in range(mesh.pp_rank, num_stages, mesh.pp_size)
     ]

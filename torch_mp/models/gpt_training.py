@@ -1,5 +1,5 @@
-"""Training the GPT of :mod:`torch_mp.models.gpt`: on data x pipeline x tensor parallel ranks
-(:class:`Trainer3D`) and, as the reference it is checked against, on one process
+"""Training the GPT of :mod:`torch_mp.models.gpt`: on data x pipeline x tensor (x context)
+parallel ranks (:class:`Trainer3D`) and, as the reference it is checked against, on one process
 (:class:`DenseTrainer`), with the same AdamW and gradient clipping."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ class TrainingOptions:
     1 AdamW's state sharded over the data ranks, torch_mp.DistributedOptimizer; 2 the gradients
     too, ``DataParallel(shard_gradients=True)``), bf16 parameters and compute with fp32 main
     gradients and fp32 masters (``bf16``, which implies ZeRO-2), AdamW's learning rate (its
-    schedule: :func:`learning_rate`) and weight decay, and the gradient norm clipped to."""
+    schedule: :func:`learning_rate`) and weight decay, and the gradient norm clipped to. The
+    context parallelism comes from the mesh (``cp``), its attention by ``context_method``
+    (:func:`torch_mp.context_parallel.attention`)."""
 
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -42,6 +44,7 @@ class TrainingOptions:
     warmup: int = 0
     decay_steps: int = 0
     min_lr: float = 0.0
+    context_method: str = "ring"
 
 
 def learning_rate(options: TrainingOptions, step: int) -> float:
@@ -70,7 +73,12 @@ class Trainer3D:
         self.mesh, self.options = mesh, options
         stages_per_rank = 2 if options.schedule == "interleaved_1f1b" else 1
         self.stages = build_stages(
-            dense, mesh, stages_per_rank, options.sequence_parallel, options.recompute
+            dense,
+            mesh,
+            stages_per_rank,
+            options.sequence_parallel,
+            options.recompute,
+            options.context_method,
         )
         zero = 2 if options.bf16 else int(options.zero)
         if options.ddp and zero >= 2:
@@ -79,7 +87,9 @@ class Trainer3D:
             for stage in self.stages:
                 stage.to(torch.bfloat16)
         if options.ddp:
-            wrapped = [DistributedDataParallel(s, process_group=mesh.dp_group) for s in self.stages]
+            wrapped = [
+                DistributedDataParallel(s, process_group=mesh.dp_cp_group) for s in self.stages
+            ]
         else:
             grad_dtype = torch.float32 if options.bf16 else None
             wrapped = [
@@ -125,15 +135,16 @@ class Trainer3D:
         return loss
 
     def compute_gradients(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
-        """The step without the optimizer: gradients averaged over the data ranks, tied copies
-        summed, clipped over the mesh."""
+        """The step without the optimizer: gradients averaged over the data (x context) ranks,
+        tied copies summed, clipped over the mesh."""
         self.optimizer.zero_grad()
         loss = self.pipe.step(
             inputs if self.holds_first else None, target=target if self.holds_last else None
         )
         torch_mp.clip_grad_norm_(self.parameters, self.options.clip, mesh=self.mesh)
-        # Share the last stage's loss: counted once per data rank (tensor rank 0), averaged.
-        counted = loss is not None and self.mesh.tp_rank == 0
+        # Share the last stage's loss: counted once per data rank (tensor and context rank 0;
+        # the context ranks' losses are the same mean over their sequences), averaged.
+        counted = loss is not None and self.mesh.tp_rank == 0 and self.mesh.cp_rank == 0
         value = torch.tensor([loss.item() if counted else 0.0], dtype=torch.float64)
         dist.all_reduce(value)
         return value.item() / self.mesh.dp_size
@@ -149,7 +160,7 @@ class Trainer3D:
         """The whole model's parameters in ``DenseGPT``'s names on global rank 0 (None
         elsewhere), or on every rank with ``everywhere``: a collective over every rank."""
         mine = self.gathered()  # a tensor-group collective: every rank takes part
-        if self.mesh.tp_rank != 0 or self.mesh.dp_rank != 0:
+        if self.mesh.tp_rank != 0 or self.mesh.dp_rank != 0 or self.mesh.cp_rank != 0:
             mine = {}
         mine.pop("head.weight", None)  # tied to tok.weight
         if everywhere:

@@ -3,8 +3,9 @@ csrc/torch_mp/tensor_parallel/attention.h; the forward is the operator
 ``torch.ops.torch_mp.parallel_self_attention``).
 
 Transformer tensors are ``[s, b, h]`` (sequence first); with ``sequence_parallel=True`` each rank
-holds ``[s / t, b, h]`` of the input and output. Default initialisation draws the dense
-``nn.MultiheadAttention`` and keeps this rank's heads.
+holds ``[s / t, b, h]`` of the input and output, and with ``context_parallel=True`` its part of the
+sequence cut by :func:`torch_mp.context_parallel.shard_sequence`. Default initialisation draws the
+dense ``nn.MultiheadAttention`` and keeps this rank's heads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from torch_mp import _C
 from torch_mp._group import SharesGroup
+from torch_mp.context_parallel.sharding import _context_group
 from torch_mp.tensor_parallel._shell import (
     column_row_pair,
     empty_like_dense,
@@ -42,7 +44,22 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         recompute_core: Keep only the Q/K/V projection's output for the backward and recompute
             the attention core from it (scores, softmax, dropout with the same masks, the
             product with V): Megatron's selective recomputation.
+        context_parallel: The sequence is split over a context group too: input and output
+            hold this rank's part of it, as :func:`torch_mp.context_parallel.shard_sequence`
+            cut it (``load_balance``), and the attention meets the other parts' keys and
+            values by ``context_method`` (:func:`torch_mp.context_parallel.attention`). Masks
+            are for the whole sequence. Heads are split over the tensor group first. Attention
+            dropout is refused in training (the ranks' masks could not be one process's).
+        context_group: The context group; the default mesh's when None.
+        context_method: ``"ring"``, ``"all_gather"`` or ``"all_to_all"``.
+        load_balance: Whether the sequence was cut load-balanced (``shard_sequence``'s
+            default); it must be the cut's.
         device, dtype: Where and in what type to create the parameters.
+
+    Raises:
+        RuntimeError: On every rank, if the sizes do not divide as above, the method is
+            unknown, or ranks of the tensor or context group disagree on the configuration.
+        ValueError: For a ``context_group`` without ``context_parallel``.
     """
 
     def __init__(
@@ -55,6 +72,10 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         group: dist.ProcessGroup | None = None,
         *,
         recompute_core: bool = False,
+        context_parallel: bool = False,
+        context_group: dist.ProcessGroup | None = None,
+        context_method: str = "ring",
+        load_balance: bool = True,
         device=None,
         dtype=None,
     ) -> None:
@@ -62,8 +83,22 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         self.group = tp_group(group)
         self.recompute_core = recompute_core
         self.tp_size = dist.get_world_size(self.group)
+        if context_group is not None and not context_parallel:
+            raise ValueError(
+                "ParallelSelfAttention: a context_group is given but context_parallel is off"
+            )
+        self.context_group = _context_group(context_group) if context_parallel else None
+        self.context_method, self.load_balance = context_method, load_balance
         _C.check_parallel_self_attention(
-            hidden_size, num_heads, bias, dropout, sequence_parallel, self.group.group_name
+            hidden_size,
+            num_heads,
+            bias,
+            dropout,
+            sequence_parallel,
+            self.group.group_name,
+            self._context_group_name,
+            context_method,
+            load_balance,
         )
         self.hidden_size, self.num_heads, self.dropout = hidden_size, num_heads, dropout
         self.sequence_parallel = sequence_parallel
@@ -80,6 +115,16 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
     # Parameter names in the dense counterpart (to_dense), by prefix (torch_mp.checkpoint): the
     # C++ module's table.
     DENSE_NAMES = dict(_C.dense_names("ParallelSelfAttention"))
+
+    @property
+    def context_parallel(self) -> bool:
+        """Whether the sequence is split over a context group too."""
+        return self.context_group is not None
+
+    @property
+    def _context_group_name(self) -> str:
+        """The operators' context group: "" for none."""
+        return "" if self.context_group is None else self.context_group.group_name
 
     def reset_parameters(self) -> None:
         """Draws an ``nn.MultiheadAttention`` (as it initialises itself) and keeps our heads."""
@@ -111,8 +156,9 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
     ) -> torch.Tensor:
         """``x``: ``[s, b, h]`` (``[s / t, b, h]`` under sequence parallelism). ``attn_mask`` as
         in ``nn.MultiheadAttention``: ``[s, s]`` or ``[b * num_heads, s, s]``, bool (True may
-        not attend) or float (added); ``is_causal`` without a mask applies the causal mask.
-        Key padding masks are not supported (fold them into ``attn_mask``)."""
+        not attend) or float (added), ``s`` the whole sequence under context parallelism;
+        ``is_causal`` without a mask applies the causal mask. Key padding masks are not
+        supported (fold them into ``attn_mask``)."""
         return torch.ops.torch_mp.parallel_self_attention(
             x,
             self.qkv.weight,
@@ -127,6 +173,9 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
             self.training,
             self.group.group_name,
             self.recompute_core,
+            self._context_group_name,
+            self.context_method,
+            self.load_balance,
         )
 
     @classmethod
@@ -135,8 +184,14 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         attention: nn.MultiheadAttention,
         group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
+        *,
+        context_parallel: bool = False,
+        context_group: dist.ProcessGroup | None = None,
+        context_method: str = "ring",
+        load_balance: bool = True,
     ) -> ParallelSelfAttention:
-        """Shards ``attention`` (device and dtype kept, no random draws)."""
+        """Shards ``attention`` (device and dtype kept, no random draws); the other arguments
+        as the constructor's."""
         layer = cls(
             attention.embed_dim,
             attention.num_heads,
@@ -144,6 +199,10 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
             dropout=attention.dropout,
             sequence_parallel=sequence_parallel,
             group=group,
+            context_parallel=context_parallel,
+            context_group=context_group,
+            context_method=context_method,
+            load_balance=load_balance,
             device="meta",
         )
         empty_like_dense(attention, layer)

@@ -24,7 +24,11 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
     layout): post-LN ``norm2(y + mlp(y))`` with ``y = norm1(x + attn(x))``, or pre-LN with
     ``norm_first=True``. With ``sequence_parallel=True`` the LayerNorms, dropouts and residuals
     act on each rank's ``s / t`` rows, and the replicated LayerNorm parameters get the dense
-    gradients (see :class:`LayerNorm`).
+    gradients (see :class:`LayerNorm`). With ``context_parallel=True`` each rank holds its part
+    of the sequence (cut by :func:`torch_mp.context_parallel.shard_sequence`) and only the
+    attention meets the other parts (:class:`ParallelSelfAttention`); the parameters are
+    replicated over the context group, their gradients reduced over data x context ranks by
+    :class:`torch_mp.DataParallel`.
 
     Args:
         hidden_size, num_heads, ffn_hidden_size: ``d_model``, ``nhead``, ``dim_feedforward``.
@@ -40,6 +44,9 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             :func:`torch_mp.recompute`), so the gradients equal those without recomputation, and
             both compose with the pipeline's schedules, the zero-bubble split included (one
             recomputation per backward, each gradient computed once).
+        context_parallel, context_group, context_method, load_balance: Context parallelism, as
+            in :class:`ParallelSelfAttention`. Dropout is refused in training under it (the
+            ranks' masks could not be those one process draws): pass ``dropout=0``.
         device, dtype: Where and in what type to create the parameters.
 
     Raises:
@@ -61,6 +68,10 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         group: dist.ProcessGroup | None = None,
         *,
         recompute: str | None = None,
+        context_parallel: bool = False,
+        context_group: dist.ProcessGroup | None = None,
+        context_method: str = "ring",
+        load_balance: bool = True,
         device=None,
         dtype=None,
     ) -> None:
@@ -81,7 +92,16 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         norm_args = (hidden_size, layer_norm_eps, True, bias, sequence_parallel)
         self.norm1 = LayerNorm(*norm_args, **meta)
         self.self_attn = ParallelSelfAttention(
-            hidden_size, num_heads, bias, dropout, sequence_parallel, **meta
+            hidden_size,
+            num_heads,
+            bias,
+            dropout,
+            sequence_parallel,
+            context_parallel=context_parallel,
+            context_group=context_group,
+            context_method=context_method,
+            load_balance=load_balance,
+            **meta,
         )
         self.norm2 = LayerNorm(*norm_args, **meta)
         self.mlp = ParallelMLP(
@@ -140,7 +160,8 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
     def forward(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
     ) -> torch.Tensor:
-        """``x``: ``[s, b, h]`` (``[s / t, b, h]`` under sequence parallelism); the mask as in
+        """``x``: ``[s, b, h]`` (``[s / t, b, h]`` under sequence parallelism; ``s`` this
+        rank's part under context parallelism); the mask as in
         :meth:`ParallelSelfAttention.forward`."""
         attention, mlp = self.self_attn, self.mlp
         return torch.ops.torch_mp.parallel_transformer_layer(
@@ -168,6 +189,9 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             self.training,
             self.group.group_name,
             self.recompute or "",
+            attention._context_group_name,
+            attention.context_method,
+            attention.load_balance,
         )
 
     @classmethod
@@ -177,11 +201,16 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
         group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
         recompute: str | None = None,
+        *,
+        context_parallel: bool = False,
+        context_group: dist.ProcessGroup | None = None,
+        context_method: str = "ring",
+        load_balance: bool = True,
     ) -> ParallelTransformerLayer:
         """Shards an ``nn.TransformerEncoderLayer`` (device and dtype kept, no random draws).
 
         The parallel layer takes ``[s, b, h]`` whatever the dense layer's ``batch_first``;
-        ``recompute`` as in the constructor.
+        ``recompute`` and the context settings as in the constructor.
         """
         kinds = {1: "relu", 2: "gelu"}
         approximate = (
@@ -203,6 +232,10 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             sequence_parallel=sequence_parallel,
             group=group,
             recompute=recompute,
+            context_parallel=context_parallel,
+            context_group=context_group,
+            context_method=context_method,
+            load_balance=load_balance,
             device="meta",
         )
         empty_like_dense(layer, parallel)

@@ -77,6 +77,55 @@ at::Tensor sdpa(const at::Tensor& q,
       q, k, v, mask, 0.0, /*is_causal=*/false, scale, /*enable_gqa=*/k.size(1) != q.size(1));
 }
 
+// The parts' shapes, and the same on every rank (a rank with another length would leave the
+// others' collectives waiting, or mix parts of different sequences).
+void check_parts(const at::Tensor& q,
+                 const at::Tensor& k,
+                 const at::Tensor& v,
+                 const GroupPtr& group,
+                 bool is_causal,
+                 bool load_balance) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              kWhat,
+              ": q, k and v must be [batch, heads, sequence part, head dim], got ",
+              q.sizes(),
+              ", ",
+              k.sizes(),
+              ", ",
+              v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
+                  k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0,
+              kWhat,
+              ": k and v must match q but for fewer heads that divide q's, got q ",
+              q.sizes(),
+              ", k ",
+              k.sizes(),
+              ", v ",
+              v.sizes());
+  TORCH_CHECK(!(is_causal && load_balance) || q.size(2) % 2 == 0,
+              kWhat,
+              ": a load-balanced part holds two chunks; its length (",
+              q.size(2),
+              ") is odd");
+  if (group->getSize() > 1) {
+    comm::check_same_across_ranks(
+        {q.size(0), q.size(1), k.size(1), q.size(2), q.size(3), is_causal, load_balance},
+        group,
+        std::string(kWhat) +
+            " [batch, heads, key/value heads, sequence part, head dim, "
+            "is_causal, load_balance]");
+  }
+}
+
+// The positions this rank's part holds (sequence_positions), once check_parts has agreed the
+// parts' shapes: the operator torch_mp::context_part_positions, whose kernel runs the check.
+at::Tensor checked_positions(const at::Tensor& q,
+                             const at::Tensor& k,
+                             const at::Tensor& v,
+                             const GroupPtr& group,
+                             bool is_causal,
+                             bool load_balance);
+
 at::Tensor all_gather_attention(const at::Tensor& q,
                                 const at::Tensor& k,
                                 const at::Tensor& v,
@@ -87,10 +136,12 @@ at::Tensor all_gather_attention(const at::Tensor& q,
                                 const std::optional<at::Tensor>& attn_mask) {
   const int64_t size = group->getSize();
   const int64_t s = q.size(2) * size;
+  // The parts' shapes agreed before the gathers (a rank with another length would leave them
+  // waiting), by an operator so that compiled code checks them too.
+  const auto rows = checked_positions(q, k, v, group, is_causal, load_balance);
   // Gathered K/V: the gradient of each rank's queries' use of them is summed (reduce-scatter).
   const auto keys = gather_from_sp(k, group, 2);
   const auto values = gather_from_sp(v, group, 2);
-  const auto rows = sequence_positions(s, group->getRank(), size, load_balance).to(q.device());
   const auto cols = gathered_positions(s, size, load_balance).to(q.device());
   const auto mask = mask_for(rows, cols, is_causal, attn_mask, 0, q.size(1), q.size(1));
   return sdpa(q, keys, values, mask, scale);
@@ -296,41 +347,12 @@ void check_ring_inputs(const at::Tensor& q,
                        const GroupPtr& group,
                        bool is_causal,
                        bool load_balance) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              kWhat,
-              ": q, k and v must be [batch, heads, sequence part, head dim], got ",
-              q.sizes(),
-              ", ",
-              k.sizes(),
-              ", ",
-              v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2) &&
-                  k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0,
-              kWhat,
-              ": k and v must match q but for fewer heads that divide q's, got q ",
-              q.sizes(),
-              ", k ",
-              k.sizes(),
-              ", v ",
-              v.sizes());
-  TORCH_CHECK(!(is_causal && load_balance) || q.size(2) % 2 == 0,
-              kWhat,
-              ": a load-balanced part holds two chunks; its length (",
-              q.size(2),
-              ") is odd");
+  check_parts(q, k, v, group, is_causal, load_balance);
   TORCH_CHECK(group->getBackendType() != c10d::ProcessGroup::BackendType::NCCL,
               kWhat,
               "(method='ring'): the ring's transfers are not yet grouped as NCCL needs them (a "
               "send there waits for its receive); use method='all_gather' or 'all_to_all' on an "
               "NCCL group");
-  if (group->getSize() > 1) {
-    comm::check_same_across_ranks(
-        {q.size(0), q.size(1), k.size(1), q.size(2), q.size(3), is_causal, load_balance},
-        group,
-        std::string(kWhat) +
-            " [batch, heads, key/value heads, sequence part, head dim, "
-            "is_causal, load_balance]");
-  }
 }
 
 std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
@@ -503,6 +525,44 @@ c10::TypedOperatorHandle<Signature> op_named(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+at::Tensor part_positions_kernel(const at::Tensor& q,
+                                 const at::Tensor& k,
+                                 const at::Tensor& v,
+                                 c10::string_view group_name,
+                                 bool is_causal,
+                                 bool load_balance) {
+  const auto group = group_named(group_name);
+  check_parts(q, k, v, group, is_causal, load_balance);
+  const int64_t size = group->getSize();
+  return sequence_positions(q.size(2) * size, group->getRank(), size, load_balance)
+      .to(q.device());
+}
+
+at::Tensor part_positions_meta(const at::Tensor& q,
+                               const at::Tensor&,
+                               const at::Tensor&,
+                               c10::string_view,
+                               bool,
+                               bool) {
+  return at::empty({q.size(2)}, q.options().dtype(at::kLong));
+}
+
+at::Tensor checked_positions(const at::Tensor& q,
+                             const at::Tensor& k,
+                             const at::Tensor& v,
+                             const GroupPtr& group,
+                             bool is_causal,
+                             bool load_balance) {
+  using Signature = at::Tensor(const at::Tensor&,
+                               const at::Tensor&,
+                               const at::Tensor&,
+                               c10::string_view,
+                               bool,
+                               bool);
+  static const auto op = op_named<Signature>("torch_mp::context_part_positions");
+  return op.call(q, k, v, group_name(group), is_causal, load_balance);
+}
+
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static at::Tensor forward(AutogradContext* ctx,
                             const at::Tensor& q,
@@ -637,6 +697,9 @@ TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
       "float? scale=None, str method=\"ring\", bool load_balance=True, Tensor? attn_mask=None) "
       "-> Tensor");
   m.def(
+      "context_part_positions(Tensor q, Tensor k, Tensor v, str group, bool is_causal, "
+      "bool load_balance) -> Tensor");
+  m.def(
       "ring_attention(Tensor q, Tensor k, Tensor v, str group, bool is_causal, float scale, "
       "bool load_balance) -> Tensor");
   m.def(
@@ -655,12 +718,14 @@ TORCH_LIBRARY_IMPL(torch_mp, CompositeImplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(torch_mp, Autograd, m) { m.impl("ring_attention", &ring_autograd); }
 
 TORCH_LIBRARY_IMPL(torch_mp, CompositeExplicitAutograd, m) {
+  m.impl("context_part_positions", &part_positions_kernel);
   m.impl("ring_attention", &ring_inference);
   m.impl("ring_attention_forward", &ring_forward_kernel);
   m.impl("ring_attention_backward", &ring_backward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(torch_mp, Meta, m) {
+  m.impl("context_part_positions", &part_positions_meta);
   m.impl("ring_attention_forward", &ring_forward_meta);
   m.impl("ring_attention_backward", &ring_backward_meta);
 }

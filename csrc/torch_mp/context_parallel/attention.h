@@ -27,12 +27,18 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include <array>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::context_parallel {
+
+/// The methods attention knows, by name.
+inline constexpr std::array<std::string_view, 3> kAttentionMethods{
+    "ring", "all_gather", "all_to_all"};
 
 /// Options of attention.
 struct AttentionOptions {
@@ -50,9 +56,9 @@ struct AttentionOptions {
 
 /// This rank's part of attention over the whole sequence, from this rank's parts `q`, `k`,
 /// `v` ([b, heads, s / cp, d]; K and V may have fewer heads). Collective over `group`. Raises,
-/// on every rank, if the ranks' shapes differ (ring and all_to_all check it; all_gather's
-/// all-gather does not yet), the heads do not divide as the method needs, or the method is
-/// unknown. `options.load_balance()` must be the cut's (a mismatch cannot be detected).
+/// on every rank, if the ranks' shapes differ, the heads do not divide as the method needs, or
+/// the method is unknown. `options.load_balance()` must be the cut's (a mismatch cannot be
+/// detected).
 at::Tensor attention(const at::Tensor& q,
                      const at::Tensor& k,
                      const at::Tensor& v,

@@ -12,8 +12,12 @@
 
 #include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/mesh.h"
 
 namespace torch_mp::context_parallel {
+
+GroupPtr cp_group_or_default(const GroupPtr& group) { return group ? group : get_mesh()->cp_group; }
+
 namespace {
 
 using torch::autograd::AutogradContext;

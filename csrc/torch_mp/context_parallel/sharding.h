@@ -30,6 +30,9 @@
 
 namespace torch_mp::context_parallel {
 
+/// `group`, or the default mesh's context-parallel group when `group` is null.
+GroupPtr cp_group_or_default(const GroupPtr& group);
+
 /// The positions in a sequence of `sequence_length` that rank `rank` of a context group of
 /// `size` ranks holds, in the order it holds them (int64). Raises unless the chunks (2 * size
 /// with `load_balance`, else size) divide the sequence.

@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/context_parallel/attention.h"
+#include "torch_mp/context_parallel/sharding.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/recompute.h"
 #include "torch_mp/tensor_parallel/random.h"
@@ -44,7 +47,10 @@ at::Tensor attention_heads(const at::Tensor& qkv,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
                            double dropout_p,
-                           bool recompute_core) {
+                           bool recompute_core,
+                           const GroupPtr& context_group,
+                           const std::string& context_method,
+                           bool load_balance) {
   const int64_t heads_local = num_heads / group->getSize();
   TORCH_CHECK(qkv.dim() == 3 && heads_local > 0 && qkv.size(2) % (3 * heads_local) == 0,
               "attention_heads: qkv must be [s, b, 3 * heads * head_dim], got ",
@@ -52,8 +58,15 @@ at::Tensor attention_heads(const at::Tensor& qkv,
               " for ",
               heads_local,
               " heads");
+  TORCH_CHECK(!context_group || dropout_p == 0.0,
+              "attention_heads: attention dropout (p = ",
+              dropout_p,
+              ") under context parallelism is not supported: the ranks' masks could not be "
+              "those one process draws for the whole sequence; use dropout=0");
   const c10::SymInt s = qkv.sym_size(0);
   const c10::SymInt b = qkv.sym_size(1);
+  // The whole sequence, which masks are for: this rank's part times the context ranks.
+  const c10::SymInt whole = context_group ? s * context_group->getSize() : s;
   const int64_t width = qkv.size(2) / 3;
   const int64_t head_dim = width / heads_local;
   const bool masked = attn_mask && attn_mask->defined();
@@ -61,16 +74,18 @@ at::Tensor attention_heads(const at::Tensor& qkv,
   if (masked) {
     const auto& m = *attn_mask;
     // The same shape test on every rank (a rank-dependent one would leave the others waiting).
-    per_head =
-        m.dim() == 3 && m.sym_size(0) == b * num_heads && m.sym_size(1) == s && m.sym_size(2) == s;
-    TORCH_CHECK(per_head || (m.dim() == 2 && m.sym_size(0) == s && m.sym_size(1) == s),
+    per_head = m.dim() == 3 && m.sym_size(0) == b * num_heads && m.sym_size(1) == whole &&
+               m.sym_size(2) == whole;
+    TORCH_CHECK(per_head || (m.dim() == 2 && m.sym_size(0) == whole && m.sym_size(1) == whole),
                 "attention_heads: attn_mask must be [s, s] or [batch * num_heads, s, s] = [",
                 b * num_heads,
                 ", ",
-                s,
+                whole,
                 ", ",
-                s,
-                "], got ",
+                whole,
+                "]",
+                context_group ? " (s the whole sequence under context parallelism)" : "",
+                ", got ",
                 m.sym_sizes());
     TORCH_CHECK(!recompute_core || !m.requires_grad(),
                 "attention_heads: the attention core cannot be recomputed over a mask that "
@@ -86,7 +101,8 @@ at::Tensor attention_heads(const at::Tensor& qkv,
     if (masked) {
       mask = *attn_mask;
       if (per_head) {  // this rank's heads only
-        mask = mask->reshape_symint({b, num_heads, s, s}).narrow(1, first_head, heads_local);
+        mask =
+            mask->reshape_symint({b, num_heads, whole, whole}).narrow(1, first_head, heads_local);
       }
       if (mask->scalar_type() == at::kBool) {  // true = may not attend, as MultiheadAttention
         mask =
@@ -100,9 +116,22 @@ at::Tensor attention_heads(const at::Tensor& qkv,
     const auto q = heads(parts[0]);
     const auto k = heads(parts[1]);
     const auto v = heads(parts[2]);
-    const auto context = dropout_p > 0
-                             ? attention_with_dropout(q, k, v, mask, causal, dropout_p)
-                             : at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal);
+    at::Tensor context;
+    if (context_group) {
+      context = context_parallel::attention(q,
+                                            k,
+                                            v,
+                                            context_group,
+                                            context_parallel::AttentionOptions()
+                                                .is_causal(causal)
+                                                .method(context_method)
+                                                .load_balance(load_balance)
+                                                .attn_mask(mask));
+    } else if (dropout_p > 0) {
+      context = attention_with_dropout(q, k, v, mask, causal, dropout_p);
+    } else {
+      context = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal);
+    }
     return {context.permute({2, 0, 1, 3}).reshape_symint({s, b, width})};
   };
   if (!recompute_core) {
@@ -116,13 +145,29 @@ void check_parallel_self_attention(int64_t hidden_size,
                                    bool bias,
                                    double dropout,
                                    bool sequence_parallel,
-                                   const GroupPtr& group) {
+                                   const GroupPtr& group,
+                                   const GroupPtr& context_group,
+                                   const std::string& context_method,
+                                   bool load_balance) {
+  const auto& methods = context_parallel::kAttentionMethods;
+  const int64_t method =
+      std::find(methods.begin(), methods.end(), context_method) - methods.begin();
   // Agreement first: a check that fails on one rank only would leave the others waiting.
-  comm::check_same_across_ranks(
-      {hidden_size, num_heads, bias, comm::bits(dropout), sequence_parallel},
-      group,
+  const std::vector<int64_t> configuration{hidden_size,
+                                           num_heads,
+                                           bias,
+                                           comm::bits(dropout),
+                                           sequence_parallel,
+                                           context_group != nullptr,
+                                           context_group ? method : 0,
+                                           context_group ? load_balance : true};
+  const char* what =
       "ParallelSelfAttention configuration [hidden_size, num_heads, bias, dropout (bits), "
-      "sequence_parallel]");
+      "sequence_parallel, context_parallel, context_method, load_balance]";
+  comm::check_same_across_ranks(configuration, group, what);
+  if (context_group) {
+    comm::check_same_across_ranks(configuration, context_group, what);
+  }
   check_non_negative(hidden_size, "ParallelSelfAttention: hidden_size");
   TORCH_CHECK(num_heads > 0 && hidden_size % num_heads == 0,
               "ParallelSelfAttention: hidden_size (",
@@ -131,6 +176,11 @@ void check_parallel_self_attention(int64_t hidden_size,
               num_heads,
               ")");
   divide(num_heads, group->getSize(), "ParallelSelfAttention: num_heads");
+  TORCH_CHECK(!context_group || method < static_cast<int64_t>(methods.size()),
+              "ParallelSelfAttention: context_method must be 'ring', 'all_gather' or "
+              "'all_to_all', got '",
+              context_method,
+              "'");
 }
 
 void load_dense_qkv_(at::Tensor& weight,
@@ -169,13 +219,18 @@ at::Tensor parallel_self_attention(const at::Tensor& x,
   TORCH_CHECK(group, "parallel_self_attention: options.group() is not set");
   const auto qkv = column_parallel_linear(
       x, p.qkv_weight, p.qkv_bias, 3 * o.hidden_size(), false, o.sequence_parallel(), group);
+  TORCH_CHECK(!o.context_parallel() || o.context_group(),
+              "parallel_self_attention: options.context_group() is not set");
   const auto context = attention_heads(qkv,
                                        o.num_heads(),
                                        group,
                                        attn_mask,
                                        is_causal,
                                        training ? o.dropout() : 0.0,
-                                       o.recompute_core());
+                                       o.recompute_core(),
+                                       o.context_parallel() ? o.context_group() : nullptr,
+                                       o.context_method(),
+                                       o.load_balance());
   return row_parallel_linear(
       context, p.proj_weight, p.proj_bias, o.hidden_size(), true, o.sequence_parallel(), group);
 }
@@ -190,9 +245,21 @@ ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(ParallelSelfAttentionOption
 
 void ParallelSelfAttentionImpl::reset() {
   options.group(tp_group_or_default(options.group()));
+  if (options.context_parallel()) {
+    options.context_group(context_parallel::cp_group_or_default(options.context_group()));
+  }
   const auto& o = options;
-  check_parallel_self_attention(
-      o.hidden_size(), o.num_heads(), o.bias(), o.dropout(), o.sequence_parallel(), o.group());
+  TORCH_CHECK(o.context_parallel() || !o.context_group(),
+              "ParallelSelfAttention: a context_group is given but context_parallel is off");
+  check_parallel_self_attention(o.hidden_size(),
+                                o.num_heads(),
+                                o.bias(),
+                                o.dropout(),
+                                o.sequence_parallel(),
+                                o.group(),
+                                o.context_group(),
+                                o.context_method(),
+                                o.load_balance());
   qkv = register_module("qkv",
                         ColumnParallelLinearImpl::uninitialised(
                             ColumnParallelLinearOptions(o.hidden_size(), 3 * o.hidden_size())
@@ -305,15 +372,31 @@ torch::nn::MultiheadAttention ParallelSelfAttentionImpl::to_dense() const {
 
 namespace {
 
+// The operators' context group: "" for none.
+GroupPtr context_group_named(c10::string_view name) {
+  return name.empty() ? nullptr : group_named(name);
+}
+
 at::Tensor attention_heads_op(const at::Tensor& qkv,
                               int64_t num_heads,
                               const std::optional<at::Tensor>& attn_mask,
                               bool is_causal,
                               double dropout_p,
                               c10::string_view group,
-                              bool recompute_core) {
-  return attention_heads(
-      qkv, num_heads, group_named(group), attn_mask, is_causal, dropout_p, recompute_core);
+                              bool recompute_core,
+                              c10::string_view context_group,
+                              c10::string_view context_method,
+                              bool load_balance) {
+  return attention_heads(qkv,
+                         num_heads,
+                         group_named(group),
+                         attn_mask,
+                         is_causal,
+                         dropout_p,
+                         recompute_core,
+                         context_group_named(context_group),
+                         std::string(context_method),
+                         load_balance);
 }
 
 at::Tensor parallel_self_attention_op(const at::Tensor& x,
@@ -328,13 +411,20 @@ at::Tensor parallel_self_attention_op(const at::Tensor& x,
                                       bool sequence_parallel,
                                       bool training,
                                       c10::string_view group,
-                                      bool recompute_core) {
+                                      bool recompute_core,
+                                      c10::string_view context_group,
+                                      c10::string_view context_method,
+                                      bool load_balance) {
   const auto options = ParallelSelfAttentionOptions(qkv_weight.size(1), num_heads)
                            .bias(qkv_bias.has_value())
                            .dropout(dropout)
                            .sequence_parallel(sequence_parallel)
                            .recompute_core(recompute_core)
-                           .group(group_named(group));
+                           .group(group_named(group))
+                           .context_parallel(!context_group.empty())
+                           .context_group(context_group_named(context_group))
+                           .context_method(std::string(context_method))
+                           .load_balance(load_balance);
   return parallel_self_attention(
       x, {qkv_weight, qkv_bias, proj_weight, proj_bias}, options, attn_mask, is_causal, training);
 }
@@ -344,13 +434,15 @@ at::Tensor parallel_self_attention_op(const at::Tensor& x,
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
   m.def(
       "attention_heads(Tensor qkv, int num_heads, Tensor? attn_mask, bool is_causal, "
-      "float dropout_p, str group, bool recompute_core=False) -> Tensor",
+      "float dropout_p, str group, bool recompute_core=False, str context_group=\"\", "
+      "str context_method=\"ring\", bool load_balance=True) -> Tensor",
       &attention_heads_op);
   m.def(
       "parallel_self_attention(Tensor x, Tensor qkv_weight, Tensor? qkv_bias, "
       "Tensor proj_weight, Tensor? proj_bias, Tensor? attn_mask, bool is_causal, int num_heads, "
       "float dropout, bool sequence_parallel, bool training, str group, "
-      "bool recompute_core=False) -> Tensor",
+      "bool recompute_core=False, str context_group=\"\", str context_method=\"ring\", "
+      "bool load_balance=True) -> Tensor",
       &parallel_self_attention_op);
 }
 

@@ -7,6 +7,12 @@
 // of the input and output. Rank r holds heads [r * n / t, (r + 1) * n / t), i.e. the matching
 // rows of each of Q, K and V.
 //
+// Under context parallelism (context_parallel/) the sequence is split over a context group as
+// well: each rank's s is its part of the whole sequence's S tokens (cut by shard_sequence: with
+// load_balance, chunks r and 2 cp - 1 - r of 2 cp), the attention meets the other parts' keys and
+// values by the method chosen, and masks are for the whole sequence ([S, S] or
+// [b * num_heads, S, S]). Heads are split first (tensor group), then the sequence (context group).
+//
 // The forward is also the PyTorch operator torch.ops.torch_mp.parallel_self_attention (its
 // arguments as the ParallelSelfAttentionOptions and parameters below), and attention over the
 // local heads torch.ops.torch_mp.attention_heads: compositions, what the Python module calls.
@@ -40,22 +46,36 @@ using DenseNames = std::vector<std::pair<std::string, std::string>>;
 /// scaled_dot_product_attention runs. With `recompute_core` the attention itself (scores,
 /// softmax, dropout, the product with V) keeps only `qkv` and is recomputed in the backward
 /// (torch_mp::recompute: the same dropout masks), Megatron's selective recomputation.
+///
+/// With a `context_group`, `qkv` holds this rank's part of the sequence (see the top of this
+/// file), the attention is context_parallel::attention by `context_method` ("ring",
+/// "all_gather" or "all_to_all") over the cut `load_balance` names, and the masks are for the
+/// whole sequence. Attention dropout is refused there: the ranks' masks could not be the ones
+/// one process would draw.
 at::Tensor attention_heads(const at::Tensor& qkv,
                            int64_t num_heads,
                            const GroupPtr& group,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
                            double dropout_p,
-                           bool recompute_core = false);
+                           bool recompute_core = false,
+                           const GroupPtr& context_group = {},
+                           const std::string& context_method = "ring",
+                           bool load_balance = true);
 
 /// Checks a self-attention's configuration: num_heads divides hidden_size, the group size
-/// divides num_heads, and the same configuration on every rank (floats by their bits).
+/// divides num_heads, and the same configuration on every rank (floats by their bits). With a
+/// `context_group` also that `context_method` is a context_parallel method, and the same
+/// configuration on every rank of the context group.
 void check_parallel_self_attention(int64_t hidden_size,
                                    int64_t num_heads,
                                    bool bias,
                                    double dropout,
                                    bool sequence_parallel,
-                                   const GroupPtr& group);
+                                   const GroupPtr& group,
+                                   const GroupPtr& context_group = {},
+                                   const std::string& context_method = "ring",
+                                   bool load_balance = true);
 
 /// Copies this rank's heads of a dense [3h, h] in-projection (Q; K; V stacked, as in
 /// torch::nn::MultiheadAttention) into `weight` [3h/t, h] (and of the [3h] bias into `bias`).
@@ -85,6 +105,16 @@ struct ParallelSelfAttentionOptions {
   /// backward instead of keeping its activations (attention_heads).
   TORCH_ARG(bool, recompute_core) = false;
   TORCH_ARG(GroupPtr, group) = {};
+  /// The sequence split over a context group too (see the top of this file): input and
+  /// output hold this rank's part of the sequence, cut by shard_sequence.
+  TORCH_ARG(bool, context_parallel) = false;
+  /// The context group; the default mesh's when unset (with context_parallel only).
+  TORCH_ARG(GroupPtr, context_group) = {};
+  /// How the ranks' keys and values meet: "ring", "all_gather" or "all_to_all"
+  /// (context_parallel/attention.h).
+  TORCH_ARG(std::string, context_method) = "ring";
+  /// Whether the sequence was cut load-balanced (shard_sequence's default).
+  TORCH_ARG(bool, load_balance) = true;
 };
 
 /// This rank's parameters of a self-attention: the QKV projection's [3h/t, h] weight (and
@@ -98,7 +128,7 @@ struct AttentionParameters {
 
 /// The forward of ParallelSelfAttention: `x` [s, b, h] ([s / t, b, h] under sequence
 /// parallelism); the mask as in attention_heads; dropout only when `training`. `options.group()`
-/// must be set.
+/// must be set, and `options.context_group()` with context_parallel.
 at::Tensor parallel_self_attention(const at::Tensor& x,
                                    const AttentionParameters& parameters,
                                    const ParallelSelfAttentionOptions& options,

@@ -319,7 +319,8 @@ at::Tensor cross_entropy(const at::Tensor& logits,
                          double label_smoothing,
                          std::optional<at::Reduction::Reduction> reduction,
                          const std::string& reduction_text,
-                         std::optional<int64_t> vocab_size) {
+                         std::optional<int64_t> vocab_size,
+                         const GroupPtr& context_group) {
   // Structural errors (every rank running the same program meets them alike) raise here.
   TORCH_CHECK(group, "vocab_parallel_cross_entropy: no process group");
   TORCH_CHECK(logits.dim() >= 1 && at::isFloatingType(logits.scalar_type()),
@@ -368,14 +369,20 @@ at::Tensor cross_entropy(const at::Tensor& logits,
                                                        problem.str());
   // Reduced in the accumulate type (a float sum of many fp16 losses, or their count, would
   // overflow); only the result takes the logits' type.
-  switch (kind) {
-    case at::Reduction::None:
-      return losses.view_symint(target.sym_sizes()).to(logits.scalar_type());
-    case at::Reduction::Sum:
-      return losses.sum().to(logits.scalar_type());
-    default:
-      return (losses.sum() / valid.sum().to(losses.scalar_type())).to(logits.scalar_type());
+  if (kind == at::Reduction::None) {
+    return losses.view_symint(target.sym_sizes()).to(logits.scalar_type());
   }
+  auto sum = losses.sum();
+  auto count = valid.sum().to(losses.scalar_type());
+  if (context_group && context_group->getSize() > 1) {
+    // Over the context group's tokens, one all-reduce forward and, as its adjoint, one
+    // backward (reduce_from_tp's forward, copy_to_tp's backward).
+    const auto both =
+        copy_to_tp(reduce_from_tp(at::stack({sum, count}), context_group), context_group);
+    sum = both[0];
+    count = both[1].detach();
+  }
+  return (kind == at::Reduction::Sum ? sum : sum / count).to(logits.scalar_type());
 }
 
 }  // namespace
@@ -394,9 +401,17 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
                                         int64_t ignore_index,
                                         double label_smoothing,
                                         at::Reduction::Reduction reduction,
-                                        std::optional<int64_t> vocab_size) {
-  return cross_entropy(
-      logits, target, group, ignore_index, label_smoothing, reduction, "", vocab_size);
+                                        std::optional<int64_t> vocab_size,
+                                        const GroupPtr& context_group) {
+  return cross_entropy(logits,
+                       target,
+                       group,
+                       ignore_index,
+                       label_smoothing,
+                       reduction,
+                       "",
+                       vocab_size,
+                       context_group);
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
@@ -405,7 +420,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
                                         int64_t ignore_index,
                                         double label_smoothing,
                                         const std::string& reduction,
-                                        std::optional<int64_t> vocab_size) {
+                                        std::optional<int64_t> vocab_size,
+                                        const GroupPtr& context_group) {
   return cross_entropy(logits,
                        target,
                        group,
@@ -413,7 +429,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
                        label_smoothing,
                        parse_reduction(reduction),
                        reduction,
-                       vocab_size);
+                       vocab_size,
+                       context_group);
 }
 
 namespace {
@@ -424,14 +441,16 @@ at::Tensor vocab_parallel_cross_entropy_op(const at::Tensor& logits,
                                            double label_smoothing,
                                            c10::string_view reduction,
                                            std::optional<int64_t> vocab_size,
-                                           c10::string_view group) {
+                                           c10::string_view group,
+                                           c10::string_view context_group) {
   return vocab_parallel_cross_entropy(logits,
                                       target,
                                       group_named(group),
                                       ignore_index,
                                       label_smoothing,
                                       std::string(reduction),
-                                      vocab_size);
+                                      vocab_size,
+                                      context_group.empty() ? nullptr : group_named(context_group));
 }
 
 }  // namespace
@@ -439,7 +458,8 @@ at::Tensor vocab_parallel_cross_entropy_op(const at::Tensor& logits,
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
   m.def(
       "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int ignore_index, "
-      "float label_smoothing, str reduction, int? vocab_size, str group) -> Tensor",
+      "float label_smoothing, str reduction, int? vocab_size, str group, "
+      "str context_group=\"\") -> Tensor",
       &vocab_parallel_cross_entropy_op);
   m.def(
       "vocab_parallel_cross_entropy_forward(Tensor logits, Tensor target, int ignore_index, "

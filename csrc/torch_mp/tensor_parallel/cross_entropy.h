@@ -34,13 +34,22 @@ namespace torch_mp::tensor_parallel {
 /// target's shapes and types must match across ranks.
 /// Sums are taken in float (double for double logits); the result has the logits' type.
 /// Backward may run once per forward (the exp buffer becomes the gradient in place).
+///
+/// With a `context_group` (context parallelism: each rank of it holds its part of the
+/// sequence, context_parallel/sharding.h), "mean" and "sum" are over the tokens of every rank
+/// of the context group: the same value on each, the mean over all their non-ignored targets.
+/// The backward is the adjoint of that sum over the ranks, as DataParallel's averaging over
+/// data x context ranks needs: each rank's logits get the gradient of the context group's
+/// summed losses (cp times one process's), which the averaging divides by cp again. "none"
+/// returns this rank's losses. One all-reduce of two numbers forward, one of one backward.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
                                         const at::Tensor& target,
                                         const GroupPtr& group,
                                         int64_t ignore_index = -100,
                                         double label_smoothing = 0.0,
                                         at::Reduction::Reduction reduction = at::Reduction::Mean,
-                                        std::optional<int64_t> vocab_size = std::nullopt);
+                                        std::optional<int64_t> vocab_size = std::nullopt,
+                                        const GroupPtr& context_group = {});
 
 /// The same with `reduction` given by name: "none", "mean" or "sum" (another name raises on
 /// every rank).
@@ -50,7 +59,8 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits,
                                         int64_t ignore_index,
                                         double label_smoothing,
                                         const std::string& reduction,
-                                        std::optional<int64_t> vocab_size = std::nullopt);
+                                        std::optional<int64_t> vocab_size = std::nullopt,
+                                        const GroupPtr& context_group = {});
 
 /// Whether this build has the fused CUDA kernels (torch with CUDA and nvcc at build time).
 bool has_fused_cuda_kernels();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/context_parallel/sharding.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/recompute.h"
 #include "torch_mp/tensor_parallel/layer_norm.h"
@@ -52,7 +53,11 @@ ParallelSelfAttentionOptions attention_options(const ParallelTransformerLayerOpt
       .dropout(o.dropout())
       .sequence_parallel(o.sequence_parallel())
       .recompute_core(o.recompute() == "selective")
-      .group(o.group());
+      .group(o.group())
+      .context_parallel(o.context_parallel())
+      .context_group(o.context_group())
+      .context_method(o.context_method())
+      .load_balance(o.load_balance());
 }
 
 ParallelMLPOptions mlp_options(const ParallelTransformerLayerOptions& o) {
@@ -131,6 +136,11 @@ at::Tensor parallel_transformer_layer(const at::Tensor& x,
                                       bool is_causal,
                                       bool training) {
   TORCH_CHECK(o.group(), "parallel_transformer_layer: options.group() is not set");
+  TORCH_CHECK(!o.context_parallel() || !training || o.dropout() == 0.0,
+              "ParallelTransformerLayer: dropout (p = ",
+              o.dropout(),
+              ") under context parallelism is not supported in training: the ranks' masks "
+              "could not be those one process draws for the whole sequence; use dropout=0");
   if (o.recompute() != "full") {
     return layer_forward(x, p, o, attn_mask, is_causal, training);
   }
@@ -169,6 +179,9 @@ ParallelTransformerLayerImpl::ParallelTransformerLayerImpl(ParallelTransformerLa
 
 void ParallelTransformerLayerImpl::reset() {
   options.group(tp_group_or_default(options.group()));
+  if (options.context_parallel()) {
+    options.context_group(context_parallel::cp_group_or_default(options.context_group()));
+  }
   const auto& o = options;
   // What the attention and MLP do not check themselves.
   check_parallel_transformer_layer(o.norm_first(), o.layer_norm_eps(), o.recompute(), o.group());
@@ -271,29 +284,41 @@ ParallelTransformerLayer ParallelTransformerLayerImpl::uninitialised(
 }
 
 ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
+    const dense::TransformerLayer& dense, ParallelTransformerLayerOptions options) {
+  const auto& d = dense->options;
+  options.hidden_size(d.hidden_size())
+      .num_heads(d.num_heads())
+      .ffn_hidden_size(d.ffn_hidden_size())
+      .dropout(d.dropout())
+      .activation(d.activation())
+      .layer_norm_eps(d.layer_norm_eps())
+      .norm_first(d.norm_first())
+      .bias(d.bias());
+  return shard_layer(std::move(options), dense);
+}
+
+ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
     const dense::TransformerLayer& dense,
     GroupPtr group,
     bool sequence_parallel,
-    std::string recompute) {
+    std::string recompute,
+    bool context_parallel) {
   const auto& d = dense->options;
-  return shard_layer(
+  return from_dense(
+      dense,
       ParallelTransformerLayerOptions(d.hidden_size(), d.num_heads(), d.ffn_hidden_size())
-          .dropout(d.dropout())
-          .activation(d.activation())
-          .layer_norm_eps(d.layer_norm_eps())
-          .norm_first(d.norm_first())
-          .bias(d.bias())
           .sequence_parallel(sequence_parallel)
           .recompute(std::move(recompute))
-          .group(std::move(group)),
-      dense);
+          .group(std::move(group))
+          .context_parallel(context_parallel));
 }
 
 ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
     const torch::nn::TransformerEncoderLayer& dense,
     GroupPtr group,
     bool sequence_parallel,
-    std::string recompute) {
+    std::string recompute,
+    bool context_parallel) {
   const auto& d = dense->options;
   return shard_layer(ParallelTransformerLayerOptions(d.d_model(), d.nhead(), d.dim_feedforward())
                          .dropout(d.dropout())
@@ -301,7 +326,8 @@ ParallelTransformerLayer ParallelTransformerLayerImpl::from_dense(
                          .layer_norm_eps(dense->norm1->options.eps())
                          .sequence_parallel(sequence_parallel)
                          .recompute(std::move(recompute))
-                         .group(std::move(group)),
+                         .group(std::move(group))
+                         .context_parallel(context_parallel),
                      dense);
 }
 
@@ -334,18 +360,26 @@ at::Tensor parallel_transformer_layer_op(const at::Tensor& x,
                                          bool sequence_parallel,
                                          bool training,
                                          c10::string_view group_name,
-                                         c10::string_view recompute) {
+                                         c10::string_view recompute,
+                                         c10::string_view context_group,
+                                         c10::string_view context_method,
+                                         bool load_balance) {
   const auto group = group_named(group_name);
-  const auto options = ParallelTransformerLayerOptions(
-                           qkv_weight.size(1), num_heads, fc1_weight.size(0) * group->getSize())
-                           .dropout(dropout)
-                           .activation(std::string(activation))
-                           .layer_norm_eps(layer_norm_eps)
-                           .norm_first(norm_first)
-                           .bias(qkv_bias.has_value())
-                           .sequence_parallel(sequence_parallel)
-                           .recompute(std::string(recompute))
-                           .group(group);
+  const auto options =
+      ParallelTransformerLayerOptions(
+          qkv_weight.size(1), num_heads, fc1_weight.size(0) * group->getSize())
+          .dropout(dropout)
+          .activation(std::string(activation))
+          .layer_norm_eps(layer_norm_eps)
+          .norm_first(norm_first)
+          .bias(qkv_bias.has_value())
+          .sequence_parallel(sequence_parallel)
+          .recompute(std::string(recompute))
+          .group(group)
+          .context_parallel(!context_group.empty())
+          .context_group(context_group.empty() ? nullptr : group_named(context_group))
+          .context_method(std::string(context_method))
+          .load_balance(load_balance);
   const TransformerLayerParameters parameters{norm1_weight,
                                               norm1_bias,
                                               {qkv_weight, qkv_bias, proj_weight, proj_bias},
@@ -364,7 +398,8 @@ TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
       "Tensor? norm2_weight, Tensor? norm2_bias, Tensor fc1_weight, Tensor? fc1_bias, "
       "Tensor fc2_weight, Tensor? fc2_bias, Tensor? attn_mask, bool is_causal, int num_heads, "
       "str activation, float dropout, float layer_norm_eps, bool norm_first, "
-      "bool sequence_parallel, bool training, str group, str recompute=\"\") -> Tensor",
+      "bool sequence_parallel, bool training, str group, str recompute=\"\", "
+      "str context_group=\"\", str context_method=\"ring\", bool load_balance=True) -> Tensor",
       &parallel_transformer_layer_op);
 }
 

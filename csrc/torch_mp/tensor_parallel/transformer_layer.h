@@ -5,7 +5,10 @@
 // + mlp(norm2(.)) with norm_first) and torch::nn::TransformerEncoderLayer (post-LN, with
 // biases), given the same weights.
 // Under sequence parallelism the LayerNorms, dropouts and residuals act on each rank's s / t
-// rows, the replicated LayerNorm parameters getting the dense gradients (layer_norm.h).
+// rows, the replicated LayerNorm parameters getting the dense gradients (layer_norm.h). Under
+// context parallelism (context_parallel) each rank holds its part of the sequence, cut by
+// context_parallel::shard_sequence, and only the attention meets the other parts (attention.h);
+// dropout is refused there in training (the ranks' masks could not be one process's).
 //
 // The forward (the residual order, the norms, which dropout draws from which stream) is defined
 // here once: the C++ module calls parallel_transformer_layer, the Python module the PyTorch
@@ -59,6 +62,14 @@ struct ParallelTransformerLayerOptions {
   /// zero-bubble split (one recomputation, each gradient once).
   TORCH_ARG(std::string, recompute) = "";
   TORCH_ARG(GroupPtr, group) = {};
+  /// The sequence split over a context group too, as ParallelSelfAttentionOptions'.
+  TORCH_ARG(bool, context_parallel) = false;
+  /// The context group; the default mesh's when unset (with context_parallel only).
+  TORCH_ARG(GroupPtr, context_group) = {};
+  /// "ring", "all_gather" or "all_to_all" (context_parallel/attention.h).
+  TORCH_ARG(std::string, context_method) = "ring";
+  /// Whether the sequence was cut load-balanced (shard_sequence's default).
+  TORCH_ARG(bool, load_balance) = true;
 };
 
 /// This rank's parameters of a transformer layer (the norms' replicated, whole).
@@ -78,7 +89,8 @@ ParallelMLPOptions mlp_options(const ParallelTransformerLayerOptions& options);
 /// The forward of ParallelTransformerLayer: `x` [s, b, h] ([s / t, b, h] under sequence
 /// parallelism), the mask as in attention_heads, dropout only when `training`. Dropout on whole
 /// tensors draws from the default generator (the same on every rank), on sequence-parallel rows
-/// from the per-rank stream. `options.group()` must be set.
+/// from the per-rank stream. `options.group()` must be set, and `options.context_group()` with
+/// context_parallel.
 at::Tensor parallel_transformer_layer(const at::Tensor& x,
                                       const TransformerLayerParameters& parameters,
                                       const ParallelTransformerLayerOptions& options,
@@ -101,16 +113,23 @@ class ParallelTransformerLayerImpl : public torch::nn::Cloneable<ParallelTransfo
   /// The parameters as parallel_transformer_layer takes them.
   TransformerLayerParameters weights() const;
   /// Shards `dense` (its options, pre- or post-LN, with or without biases, kept).
-  /// `recompute` as the option.
+  /// `recompute` and `context_parallel` as the options (the context group the mesh's, the ring,
+  /// load-balanced; set the options for others).
   static ParallelTransformerLayer from_dense(const dense::TransformerLayer& dense,
                                              GroupPtr group = {},
                                              bool sequence_parallel = false,
-                                             std::string recompute = "");
+                                             std::string recompute = "",
+                                             bool context_parallel = false);
   /// Shards `dense` (a post-LN layer with biases, as LibTorch's are).
   static ParallelTransformerLayer from_dense(const torch::nn::TransformerEncoderLayer& dense,
                                              GroupPtr group = {},
                                              bool sequence_parallel = false,
-                                             std::string recompute = "");
+                                             std::string recompute = "",
+                                             bool context_parallel = false);
+  /// Shards `dense` with `options` (its sizes, dropout, activation, norms and biases taken
+  /// from `dense`; the parallel settings from `options`).
+  static ParallelTransformerLayer from_dense(const dense::TransformerLayer& dense,
+                                             ParallelTransformerLayerOptions options);
 
   /// Allocated, not initialised (for modules that fill it).
   static ParallelTransformerLayer uninitialised(ParallelTransformerLayerOptions options);
