@@ -13,6 +13,7 @@ Python3_add_library(_C MODULE WITH_SOABI
   csrc/python/pipeline_bindings.cpp
   csrc/python/recompute_bindings.cpp
   csrc/python/context_parallel_bindings.cpp
+  csrc/python/moe_bindings.cpp
   csrc/python/tensor_parallel_bindings.cpp
   $<TARGET_OBJECTS:torch_mp_core>)
 torch_mp_unity_build(_C 7)

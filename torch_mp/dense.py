@@ -7,6 +7,8 @@ ones PyTorch lacks. They are ordinary ``nn.Module``s, usable as one-process refe
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -58,3 +60,142 @@ class ConvBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv2(F.relu(self.norm(self.conv1(x))))
+
+
+_ROUTERS = ("softmax", "sigmoid")
+
+
+class Experts(nn.Module):
+    """``num_experts`` MLPs ``fc2(activation(fc1(x)))`` stacked: ``fc1_weight``
+    ``[E, ffn, hidden]``, ``fc2_weight`` ``[E, hidden, ffn]`` (and ``[E, ffn]``, ``[E, hidden]``
+    biases), each expert initialised as an ``nn.Linear`` pair is. The experts' dim comes first,
+    so that expert parallelism splits them along it."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        activation: str = "gelu",
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"Experts: activation must be 'relu' or 'gelu', got {activation!r}")
+        self.activation = activation
+        e, h, f = num_experts, hidden_size, ffn_hidden_size
+        self.fc1_weight = nn.Parameter(torch.empty(e, f, h))
+        self.fc2_weight = nn.Parameter(torch.empty(e, h, f))
+        self.fc1_bias = nn.Parameter(torch.empty(e, f)) if bias else None
+        self.fc2_bias = nn.Parameter(torch.empty(e, h)) if bias else None
+        self.reset_parameters()
+
+    @property
+    def num_experts(self) -> int:
+        return self.fc1_weight.shape[0]
+
+    def reset_parameters(self) -> None:
+        """Each expert's pair drawn as ``nn.Linear`` draws itself, expert after expert."""
+        with torch.no_grad():
+            for i in range(self.num_experts):
+                for weight, bias in (
+                    (self.fc1_weight, self.fc1_bias),
+                    (self.fc2_weight, self.fc2_bias),
+                ):
+                    linear = nn.Linear(weight.shape[2], weight.shape[1], bias=bias is not None)
+                    weight[i].copy_(linear.weight)
+                    if bias is not None:
+                        bias[i].copy_(linear.bias)
+
+    def expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``i`` on the rows ``x`` ``[n, hidden]``."""
+        b1 = None if self.fc1_bias is None else self.fc1_bias[i]
+        b2 = None if self.fc2_bias is None else self.fc2_bias[i]
+        hidden = _ACTIVATIONS[self.activation](F.linear(x, self.fc1_weight[i], b1))
+        return F.linear(hidden, self.fc2_weight[i], b2)
+
+
+class MoE(nn.Module):
+    """A mixture of experts on one process: the reference :class:`torch_mp.moe.MoE` is checked
+    against.
+
+    A linear router (no bias) scores every token against every expert and keeps the ``top_k``
+    best: ``"softmax"`` takes the softmax over all experts, then the top k, their weights
+    renormalised to sum to 1 (Mixtral's); ``"sigmoid"`` takes each expert's sigmoid, then the
+    top k, renormalised likewise (DeepSeek-V3's). Each token's output is the weighted sum of its
+    experts' outputs (:class:`Experts`).
+
+    ``capacity_factor=None`` is dropless. A number caps each expert at
+    ``ceil(capacity_factor * tokens * top_k / num_experts)`` tokens; the tokens past the cap, in
+    token order, get nothing from that expert.
+
+    ``forward(x)`` takes ``[..., hidden]`` and returns ``(y, aux_loss)``: ``y`` shaped as ``x``,
+    ``aux_loss`` the load-balancing loss of Switch / GShard over this call's tokens,
+    ``aux_loss_coef * E * sum_i f_i * P_i``, with ``f_i`` the share of the ``tokens * top_k``
+    choices that picked expert ``i`` (before any cap) and ``P_i`` the mean over the tokens of
+    expert ``i``'s probability (the softmax; for ``"sigmoid"``, the scores normalised to sum to
+    1 over the experts).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int = 2,
+        *,
+        activation: str = "gelu",
+        router: str = "softmax",
+        capacity_factor: float | None = None,
+        aux_loss_coef: float = 0.01,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if router not in _ROUTERS:
+            raise ValueError(f"MoE: router must be 'softmax' or 'sigmoid', got {router!r}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k must be in [1, num_experts = {num_experts}], got {top_k}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"MoE: capacity_factor must be positive, got {capacity_factor}")
+        self.top_k, self.router_kind = top_k, router
+        self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(hidden_size, ffn_hidden_size, num_experts, activation, bias)
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.out_features
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For ``tokens`` ``[T, hidden]``: the chosen experts ``[T, k]``, their weights
+        ``[T, k]`` and every expert's probability ``[T, E]`` (for the aux loss)."""
+        logits = self.router(tokens)
+        if self.router_kind == "softmax":
+            probabilities = logits.softmax(-1)
+            scores = probabilities
+        else:
+            scores = logits.sigmoid()
+            probabilities = scores / scores.sum(-1, keepdim=True)
+        top, chosen = scores.topk(self.top_k, -1)
+        return chosen, top / top.sum(-1, keepdim=True), probabilities
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])
+        chosen, weights, probabilities = self.route(tokens)
+        count, e = tokens.shape[0], self.num_experts
+        kept = torch.ones_like(chosen, dtype=torch.bool)
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * count * self.top_k / e)
+            for i in range(e):
+                picks = (chosen == i).nonzero()  # in token order
+                kept[picks[capacity:, 0], picks[capacity:, 1]] = False
+        y = torch.zeros_like(tokens)
+        for i in range(e):
+            rows, slots = ((chosen == i) & kept).nonzero(as_tuple=True)
+            if rows.numel():
+                out = self.experts.expert(i, tokens[rows]) * weights[rows, slots, None]
+                y = y.index_add(0, rows, out)
+        share = torch.bincount(chosen.flatten(), minlength=e).to(probabilities.dtype)
+        share = share / (count * self.top_k)
+        aux = self.aux_loss_coef * e * (share * probabilities.mean(0)).sum()
+        return y.view_as(x), aux

@@ -1,5 +1,5 @@
-"""The data x pipeline x tensor (x context) process-group mesh (rank arithmetic in the C++
-core)."""
+"""The data x pipeline x tensor (x context, expert) process-group mesh (rank arithmetic in the
+C++ core)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,13 @@ class Mesh:
         dp_cp_group: The data x context ranks of this rank's pipeline and tensor coordinates,
             over which the gradients of parameters replicated over the context group are
             reduced; the data group when cp = 1.
+        ep_group, ep_size: The expert-parallel group (ranks that split a mixture of experts'
+            experts between them, :mod:`torch_mp.moe`): ``ep`` consecutive ranks of the data x
+            context group, and its size; a group of one rank when ep = 1 (None in a Mesh built
+            by hand).
+        expert_dp_group: The ranks holding the same experts as this one (the same place in
+            every expert group of the data x context group), over which expert gradients are
+            reduced; the data x context group when ep = 1.
     """
 
     tp_group: dist.ProcessGroup
@@ -51,14 +58,22 @@ class Mesh:
     cp_group: dist.ProcessGroup | None = None
     cp_size: int = 1
     dp_cp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None
+    ep_size: int = 1
+    expert_dp_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.dp_cp_group is None:
             object.__setattr__(self, "dp_cp_group", self.dp_group)
+        if self.expert_dp_group is None:
+            object.__setattr__(self, "expert_dp_group", self.dp_cp_group)
 
     def __repr__(self) -> str:
         cp = f", cp={self.cp_size}" if self.cp_size > 1 else ""
         cp_rank = f", cp_rank={self.cp_rank}" if self.cp_size > 1 else ""
+        if self.ep_size > 1:
+            cp += f", ep={self.ep_size}"
+            cp_rank += f", ep_rank={self.ep_rank}"
         return (
             f"Mesh(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}{cp}; "
             f"tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, dp_rank={self.dp_rank}{cp_rank})"
@@ -68,6 +83,11 @@ class Mesh:
     def cp_rank(self) -> int:
         """This process's rank in its context-parallel group (0 without one)."""
         return 0 if self.cp_group is None else dist.get_rank(self.cp_group)
+
+    @property
+    def ep_rank(self) -> int:
+        """This process's rank in its expert-parallel group (0 without one)."""
+        return 0 if self.ep_group is None else dist.get_rank(self.ep_group)
 
     @property
     def tp_rank(self) -> int:
@@ -121,6 +141,7 @@ def init(
     backend: str | None = None,
     timeout: datetime.timedelta | float | None = None,
     cp: int = 1,
+    ep: int = 1,
 ) -> Mesh:
     """Builds the tensor, pipeline and data groups and makes them the default mesh.
 
@@ -137,13 +158,15 @@ def init(
             that a dead peer raises instead of hanging; torch's default when None.
         cp: Context-parallel size: ranks that split each sequence between them
             (:mod:`torch_mp.context_parallel`).
+        ep: Expert-parallel size: ranks that split a mixture of experts' experts between them
+            (:mod:`torch_mp.moe`); divides ``dp * cp``.
 
     Returns:
         The new default :class:`Mesh`.
 
     Raises:
-        RuntimeError: If the world size is not ``tp * pp * dp * cp``, or ranks passed
-            different arguments.
+        RuntimeError: If the world size is not ``tp * pp * dp * cp``, ``ep`` does not divide
+            ``dp * cp``, or ranks passed different arguments.
     """
     global _default_mesh
     timeout = _as_timedelta(timeout)
@@ -161,11 +184,12 @@ def init(
         [tp, pp, -1 if dp is None else dp], world.group_name, "torch_mp.init arguments [tp, pp, dp]"
     )
     _C.check_same_across_ranks([cp], world.group_name, "torch_mp.init argument cp")
-    tp, pp, dp = _C.mesh_shape(dist.get_world_size(), tp, pp, dp, cp)
+    _C.check_same_across_ranks([ep], world.group_name, "torch_mp.init argument ep")
+    tp, pp, dp = _C.mesh_shape(dist.get_world_size(), tp, pp, dp, cp, ep)
     rank = dist.get_rank()
     mine = {}
     # new_group must be called by every rank for every group, in the same order.
-    for axis, groups in _C.mesh_groups(tp, pp, dp, cp).items():
+    for axis, groups in _C.mesh_groups(tp, pp, dp, cp, ep).items():
         for ranks in groups:
             group = dist.new_group(ranks, timeout=timeout, backend=backend)
             if rank in ranks:
@@ -181,6 +205,9 @@ def init(
         cp_group=mine["cp"],
         cp_size=cp,
         dp_cp_group=mine.get("dp_cp"),
+        ep_group=mine["ep"],
+        ep_size=ep,
+        expert_dp_group=mine.get("expert_dp"),
     )
     return _default_mesh
 

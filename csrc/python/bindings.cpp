@@ -20,6 +20,7 @@ void bind_optim(py::module_& parent);             // optim_bindings.cpp
 void bind_pipeline(py::module_& parent);          // pipeline_bindings.cpp
 void bind_recompute(py::module_& module);         // recompute_bindings.cpp
 void bind_context_parallel(py::module_& module);  // context_parallel_bindings.cpp
+void bind_moe(py::module_& module);               // moe_bindings.cpp
 void bind_tensor_parallel(py::module_& module);   // tensor_parallel_bindings.cpp
 }  // namespace torch_mp::python
 
@@ -35,23 +36,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   torch_mp::python::bind_tensor_parallel(m);
   torch_mp::python::bind_recompute(m);
   torch_mp::python::bind_context_parallel(m);
+  torch_mp::python::bind_moe(m);
 
   // ---- mesh ----
   m.def(
       "mesh_shape",
-      [](int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp, int64_t cp) {
-        const auto shape = torch_mp::MeshShape::infer(world_size, tp, pp, dp, cp);
+      [](int64_t world_size,
+         int64_t tp,
+         int64_t pp,
+         std::optional<int64_t> dp,
+         int64_t cp,
+         int64_t ep) {
+        const auto shape = torch_mp::MeshShape::infer(world_size, tp, pp, dp, cp, ep);
         return py::make_tuple(shape.tp, shape.pp, shape.dp);
       },
       py::arg("world_size"),
       py::arg("tp"),
       py::arg("pp"),
       py::arg("dp"),
-      py::arg("cp") = 1);
+      py::arg("cp") = 1,
+      py::arg("ep") = 1);
   m.def(
       "mesh_groups",
-      [](int64_t tp, int64_t pp, int64_t dp, int64_t cp) {
-        const torch_mp::MeshShape shape{tp, pp, dp, cp};
+      [](int64_t tp, int64_t pp, int64_t dp, int64_t cp, int64_t ep) {
+        const torch_mp::MeshShape shape{tp, pp, dp, cp, ep};
         py::dict groups;
         groups["tp"] = shape.groups(torch_mp::Axis::kTensor);
         groups["dp"] = shape.groups(torch_mp::Axis::kData);
@@ -60,13 +68,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (cp > 1) {  // (the data groups themselves otherwise)
           groups["dp_cp"] = shape.data_context_groups();
         }
+        groups["ep"] = shape.expert_groups();
+        if (ep > 1) {  // (the data x context groups themselves otherwise)
+          groups["expert_dp"] = shape.expert_data_groups();
+        }
         groups["embedding"] = shape.embedding_groups();
         return groups;
       },
       py::arg("tp"),
       py::arg("pp"),
       py::arg("dp"),
-      py::arg("cp") = 1);
+      py::arg("cp") = 1,
+      py::arg("ep") = 1);
   m.def(
       "check_same_across_ranks",
       [](const std::vector<int64_t>& values, const std::string& group, const std::string& what) {

@@ -1,6 +1,6 @@
 #pragma once
 // Dense (one-process) modules that the tensor-parallel blocks shard with from_dense, where
-// LibTorch has none: the C++ twins of torch_mp.dense.MLP and torch_mp.dense.ConvBlock, and of
+// LibTorch has none: the C++ twins of torch_mp.dense.MLP, ConvBlock, Experts and MoE, and of
 // the PyTorch modules LibTorch's lack options of (torch.nn.LayerNorm's bias,
 // torch.nn.TransformerEncoderLayer's norm_first and bias), with PyTorch's parameter names, so
 // that a C++ model and its Python twin share checkpoints.
@@ -16,6 +16,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace torch_mp::dense {
 
@@ -137,5 +138,66 @@ class TransformerLayerImpl : public torch::nn::Cloneable<TransformerLayerImpl> {
   LayerNorm norm2 = nullptr;
 };
 TORCH_MODULE(TransformerLayer);
+
+/// `num_experts` MLPs fc2(activation(fc1(x))) stacked: fc1_weight [E, ffn, hidden], fc2_weight
+/// [E, hidden, ffn] (and [E, ffn], [E, hidden] biases), each expert initialised as a
+/// torch::nn::Linear pair is. The experts' dim comes first, so that expert parallelism splits
+/// them along it (torch_mp.dense.Experts' twin).
+class ExpertsImpl : public torch::nn::Cloneable<ExpertsImpl> {
+ public:
+  ExpertsImpl(int64_t hidden_size,
+              int64_t ffn_hidden_size,
+              int64_t num_experts,
+              std::string activation = "gelu",
+              bool bias = false);
+  void reset() override;
+  /// Each expert's pair drawn as torch::nn::Linear draws itself, expert after expert.
+  void reset_parameters();
+  /// Expert `i` on the rows `x` [n, hidden].
+  at::Tensor expert(int64_t i, const at::Tensor& x) const;
+
+  int64_t hidden_size, ffn_hidden_size, num_experts;
+  std::string activation;
+  bool bias;
+  at::Tensor fc1_weight, fc1_bias, fc2_weight, fc2_bias;
+};
+TORCH_MODULE(Experts);
+
+/// Options of MoE.
+struct MoEOptions {
+  MoEOptions(int64_t hidden_size, int64_t ffn_hidden_size, int64_t num_experts)
+      : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size), num_experts_(num_experts) {}
+  TORCH_ARG(int64_t, hidden_size);
+  TORCH_ARG(int64_t, ffn_hidden_size);
+  TORCH_ARG(int64_t, num_experts);
+  /// Experts per token.
+  TORCH_ARG(int64_t, top_k) = 2;
+  /// The experts' activation: "gelu" or "relu".
+  TORCH_ARG(std::string, activation) = "gelu";
+  /// "softmax" (Mixtral's) or "sigmoid" (DeepSeek-V3's), each renormalised over the top k.
+  TORCH_ARG(std::string, router) = "softmax";
+  /// None: dropless; else each expert takes at most ceil(capacity_factor * tokens * top_k / E)
+  /// tokens, the first in token order.
+  TORCH_ARG(std::optional<double>, capacity_factor) = std::nullopt;
+  /// The load-balancing loss's coefficient.
+  TORCH_ARG(double, aux_loss_coef) = 0.01;
+  /// Biases on the experts' projections.
+  TORCH_ARG(bool, bias) = false;
+};
+
+/// A mixture of experts on one process (torch_mp.dense.MoE's twin; its definitions are
+/// moe/router.h's): a linear router without bias picks each token's top-k experts, whose
+/// outputs are summed with the routing weights. forward returns (y shaped as x, aux_loss).
+class MoEImpl : public torch::nn::Cloneable<MoEImpl> {
+ public:
+  explicit MoEImpl(MoEOptions options);
+  void reset() override;
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x);
+
+  MoEOptions options;
+  torch::nn::Linear router = nullptr;
+  Experts experts = nullptr;
+};
+TORCH_MODULE(MoE);
 
 }  // namespace torch_mp::dense

@@ -15,7 +15,7 @@
 namespace torch_mp {
 
 MeshShape MeshShape::infer(
-    int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp, int64_t cp) {
+    int64_t world_size, int64_t tp, int64_t pp, std::optional<int64_t> dp, int64_t cp, int64_t ep) {
   TORCH_CHECK(world_size > 0, "torch_mp.init: world size must be positive, got ", world_size);
   TORCH_CHECK(
       tp > 0 && pp > 0, "torch_mp.init: tp and pp must be positive, got tp=", tp, ", pp=", pp);
@@ -43,7 +43,14 @@ MeshShape MeshShape::infer(
               factors,
               " * ",
               *dp);
-  return MeshShape{tp, pp, *dp, cp};
+  TORCH_CHECK(ep > 0 && (*dp * cp) % ep == 0,
+              "torch_mp.init: ep (",
+              ep,
+              ") must divide ",
+              cp == 1 ? "dp (" : "dp * cp (",
+              *dp * cp,
+              ")");
+  return MeshShape{tp, pp, *dp, cp, ep};
 }
 
 MeshCoord MeshShape::coord(int64_t rank) const {
@@ -126,6 +133,35 @@ std::vector<std::vector<int64_t>> MeshShape::data_context_groups() const {
     }
   }
   return result;
+}
+
+std::vector<std::vector<int64_t>> MeshShape::expert_groups() const {
+  std::vector<std::vector<int64_t>> result;
+  for (const auto& group : data_context_groups()) {
+    for (size_t first = 0; first < group.size(); first += ep) {
+      result.emplace_back(group.begin() + first, group.begin() + first + ep);
+    }
+  }
+  return result;
+}
+
+std::vector<std::vector<int64_t>> MeshShape::expert_data_groups() const {
+  std::vector<std::vector<int64_t>> result;
+  for (const auto& group : data_context_groups()) {
+    for (int64_t place = 0; place < ep; ++place) {
+      std::vector<int64_t> ranks;
+      for (size_t i = place; i < group.size(); i += ep) {
+        ranks.push_back(group[i]);
+      }
+      result.push_back(std::move(ranks));
+    }
+  }
+  return result;
+}
+
+int64_t MeshShape::ep_rank(int64_t rank) const {
+  const MeshCoord c = coord(rank);
+  return (c.dp * cp + c.cp) % ep;
 }
 
 std::vector<std::vector<int64_t>> MeshShape::embedding_groups() const {
@@ -233,8 +269,9 @@ std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
       mesh->world,
       "torch_mp::init options [tp, pp, dp, backend]");
   comm::check_same_across_ranks({options.cp()}, mesh->world, "torch_mp::init option cp");
-  mesh->shape =
-      MeshShape::infer(world_size, options.tp(), options.pp(), options.dp(), options.cp());
+  comm::check_same_across_ranks({options.ep()}, mesh->world, "torch_mp::init option ep");
+  mesh->shape = MeshShape::infer(
+      world_size, options.tp(), options.pp(), options.dp(), options.cp(), options.ep());
   mesh->tp_group =
       make_axis_group(store, mesh->shape, Axis::kTensor, rank, backend, options.timeout());
   mesh->dp_group =
@@ -250,6 +287,15 @@ std::shared_ptr<Mesh> make_mesh(const StorePtr& store,
                                                        rank,
                                                        backend,
                                                        options.timeout());
+  mesh->ep_group =
+      make_group(store, mesh->shape.expert_groups(), "ep", rank, backend, options.timeout());
+  mesh->expert_dp_group = mesh->shape.ep == 1 ? mesh->dp_cp_group
+                                              : make_group(store,
+                                                           mesh->shape.expert_data_groups(),
+                                                           "expert_dp",
+                                                           rank,
+                                                           backend,
+                                                           options.timeout());
   mesh->embedding_group = make_group(
       store, mesh->shape.embedding_groups(), "embedding", rank, backend, options.timeout());
   return mesh;

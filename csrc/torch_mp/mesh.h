@@ -1,5 +1,5 @@
 #pragma once
-// The data x pipeline x tensor (x context) process-group mesh.
+// The data x pipeline x tensor (x context, expert) process-group mesh.
 //
 // Ranks are laid out tensor fastest, then context, then data, then pipeline, so that a tensor
 // group, then a context group, sits inside one node:
@@ -13,6 +13,14 @@
 //                dp 1 -> 2 3        pipeline groups  [0 4] [1 5] [2 6] [3 7]
 //     pp_rank 1: dp 0 -> 4 5
 //                dp 1 -> 6 7
+//
+// Expert parallelism (moe/) is carved out of the data x context ranks of each pipeline and
+// tensor coordinate, in their order (data rank major, context rank minor): the expert groups are
+// blocks of ep consecutive ones, each holding every expert once between them; the expert-data
+// groups are the ranks at the same place in every block, which hold the same experts.
+//
+//   world 8, dp 8, ep 2:            expert groups    [0 1] [2 3] [4 5] [6 7]
+//                                   expert-data      [0 2 4 6] [1 3 5 7]
 
 #include <torch/arg.h>
 
@@ -42,14 +50,18 @@ struct MeshShape {
   int64_t pp = 1;
   int64_t dp = 1;
   int64_t cp = 1;
+  /// Expert-parallel size: divides dp * cp (no rank arithmetic of its own; see the top).
+  int64_t ep = 1;
 
   /// The shape for `world_size` ranks; `dp` defaults to world_size / (tp * pp * cp).
-  /// Raises if a size is not positive or tp * pp * dp * cp != world_size.
+  /// Raises if a size is not positive, tp * pp * dp * cp != world_size, or ep does not divide
+  /// dp * cp.
   static MeshShape infer(int64_t world_size,
                          int64_t tp,
                          int64_t pp,
                          std::optional<int64_t> dp = std::nullopt,
-                         int64_t cp = 1);
+                         int64_t cp = 1,
+                         int64_t ep = 1);
 
   int64_t world_size() const { return tp * pp * dp * cp; }
   /// Coordinates of world rank `rank`.
@@ -68,6 +80,13 @@ struct MeshShape {
   /// which the gradients of parameters replicated over the context group are reduced (the data
   /// groups when cp = 1).
   std::vector<std::vector<int64_t>> data_context_groups() const;
+  /// The expert groups: blocks of ep consecutive ranks of each data x context group.
+  std::vector<std::vector<int64_t>> expert_groups() const;
+  /// The expert-data groups: the ranks at the same place in each block of a data x context
+  /// group, which hold the same experts (their gradients are reduced over them).
+  std::vector<std::vector<int64_t>> expert_data_groups() const;
+  /// This rank's place in its expert group.
+  int64_t ep_rank(int64_t rank) const;
 };
 
 /// Options for `init` and `make_mesh`.
@@ -80,6 +99,9 @@ struct InitOptions {
   TORCH_ARG(std::optional<int64_t>, dp) = std::nullopt;
   /// Context-parallel size: ranks that split each sequence between them (context_parallel/).
   TORCH_ARG(int64_t, cp) = 1;
+  /// Expert-parallel size: ranks that split a mixture of experts' experts between them (moe/);
+  /// divides dp * cp.
+  TORCH_ARG(int64_t, ep) = 1;
   /// Backend; Gloo when unset (creating NCCL groups from C++ is not built yet).
   TORCH_ARG(std::optional<Backend>, backend) = std::nullopt;
   /// Timeout of every collective on the mesh's groups.
@@ -99,6 +121,12 @@ struct Mesh {
   /// The data x context ranks of this rank's pipeline and tensor coordinates (dp_group when
   /// cp = 1): where gradients of parameters replicated over the context group are reduced.
   GroupPtr dp_cp_group;
+  /// The ranks that split a mixture of experts' experts with this one (moe/); one rank when
+  /// ep = 1.
+  GroupPtr ep_group;
+  /// The ranks that hold the same experts as this one, over which expert gradients are reduced
+  /// (dp_cp_group when ep = 1).
+  GroupPtr expert_dp_group;
   /// The first and last pipeline stages' ranks of this rank's data and tensor coordinates (see
   /// MeshShape::embedding_groups); null on ranks of the stages in between.
   GroupPtr embedding_group;
@@ -113,6 +141,8 @@ struct Mesh {
   int64_t dp_size() const { return shape.dp; }
   int64_t pp_size() const { return shape.pp; }
   int64_t cp_size() const { return shape.cp; }
+  int64_t ep_rank() const { return shape.ep_rank(rank); }
+  int64_t ep_size() const { return shape.ep; }
 };
 
 /// Builds the mesh of rank `rank` among `world_size` ranks that share `store`. Every rank must

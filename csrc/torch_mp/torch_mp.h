@@ -18,6 +18,9 @@
 #include "torch_mp/grad_scaler.h"                          // IWYU pragma: export
 #include "torch_mp/layout.h"                               // IWYU pragma: export
 #include "torch_mp/mesh.h"                                 // IWYU pragma: export
+#include "torch_mp/moe/dispatch.h"                         // IWYU pragma: export
+#include "torch_mp/moe/moe.h"                              // IWYU pragma: export
+#include "torch_mp/moe/router.h"                           // IWYU pragma: export
 #include "torch_mp/optim/distributed_optimizer.h"          // IWYU pragma: export
 #include "torch_mp/optim/parameter_shards.h"               // IWYU pragma: export
 #include "torch_mp/pipeline/executor.h"                    // IWYU pragma: export

@@ -102,6 +102,22 @@ TEST(MeshShape, ContextSitsBetweenTensorAndData) {
                        "is not divisible by tp * pp * cp = 2 * 1 * 3"));
 }
 
+TEST(MeshShape, ExpertGroupsAreBlocksOfTheDataContextRanks) {
+  // world 16, tp 2, dp 2, cp 2, pp 2, ep 2: the data x context group of rank 0 is [0 2 4 6].
+  const MeshShape shape = MeshShape::infer(16, 2, 2, std::nullopt, 2, 2);
+  EXPECT_EQ(shape.expert_groups()[0], (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(shape.expert_groups()[1], (std::vector<int64_t>{4, 6}));
+  EXPECT_EQ(shape.expert_data_groups()[0], (std::vector<int64_t>{0, 4}));
+  EXPECT_EQ(shape.expert_data_groups()[1], (std::vector<int64_t>{2, 6}));
+  EXPECT_EQ(shape.ep_rank(4), 0);
+  EXPECT_EQ(shape.ep_rank(6), 1);
+  EXPECT_EQ(shape.ep_rank(7), 1);
+  EXPECT_TRUE(mentions(error_of([] { MeshShape::infer(8, 2, 1, std::nullopt, 1, 3); }),
+                       "ep (3) must divide dp (4)"));
+  EXPECT_TRUE(mentions(error_of([] { MeshShape::infer(8, 2, 1, 2, 2, 8); }),
+                       "ep (8) must divide dp * cp (4)"));
+}
+
 // ---- make_mesh -------------------------------------------------------------------------------
 
 /// A mesh to build: world size and the tp, pp it is asked for (dp inferred).

@@ -35,16 +35,16 @@ def error_of(fn, *args, **kwargs) -> str | None:
     return None
 
 
-_meshes: dict[tuple[int, int, int], object] = {}
+_meshes: dict[tuple[int, int, int, int], object] = {}
 
 
-def use_mesh(tp: int, pp: int = 1, cp: int = 1):
-    """The default mesh for (tp, pp, cp) in this worker, built once and reused by later test
+def use_mesh(tp: int, pp: int = 1, cp: int = 1, ep: int = 1):
+    """The default mesh for (tp, pp, cp, ep) in this worker, built once and reused by later test
     bodies (each torch_mp.init makes new groups, and Gloo groups hold threads and sockets)."""
     import torch_mp
 
-    key = (tp, pp, cp)
+    key = (tp, pp, cp, ep)
     if key not in _meshes:
-        _meshes[key] = torch_mp.init(tp=tp, pp=pp, cp=cp, timeout=20)
+        _meshes[key] = torch_mp.init(tp=tp, pp=pp, cp=cp, ep=ep, timeout=20)
     torch_mp.set_mesh(_meshes[key])
     return _meshes[key]

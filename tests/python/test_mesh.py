@@ -79,6 +79,29 @@ def test_context_groups_sit_between_tensor_and_data(world4, tp, pp, cp):
         assert got["dp_cp"] == [at(p, i, j, t) for i in range(dp) for j in range(cp)]
 
 
+def _layout_with_experts(tp: int, pp: int, cp: int, ep: int) -> dict:
+    mesh = use_mesh(tp, pp, cp, ep)
+    return {
+        "ep": (mesh.ep_size, mesh.ep_rank),
+        "ep_group": _members(mesh.ep_group),
+        "expert_dp": _members(mesh.expert_dp_group),
+        "dp_cp": _members(mesh.dp_cp_group),
+    }
+
+
+@pytest.mark.parametrize(
+    "tp,pp,cp,ep", [(1, 1, 1, 2), (1, 1, 1, 4), (2, 1, 1, 2), (1, 1, 2, 2), (1, 2, 1, 2)]
+)
+def test_expert_groups_are_blocks_of_the_data_context_ranks(world4, tp, pp, cp, ep):
+    for rank, got in enumerate(world4.run(_layout_with_experts, tp, pp, cp, ep)):
+        data_context = got["dp_cp"]  # data rank major, context rank minor
+        place = data_context.index(rank)
+        assert got["ep"] == (ep, place % ep)
+        first = place - place % ep
+        assert got["ep_group"] == data_context[first : first + ep]
+        assert got["expert_dp"] == data_context[place % ep :: ep]
+
+
 def _bad_init(kwargs: dict) -> str | None:
     return error_of(torch_mp.init, **kwargs)
 
@@ -91,6 +114,10 @@ def _bad_init(kwargs: dict) -> str | None:
         ({"tp": 0}, "tp and pp must be positive"),
         ({"cp": 3}, "world size 4 is not divisible by tp * pp * cp = 1 * 1 * 3"),
         ({"cp": 0}, "cp must be positive"),
+        ({"ep": 3}, "ep (3) must divide dp (4)"),
+        ({"tp": 2, "ep": 4}, "ep (4) must divide dp (2)"),
+        ({"cp": 2, "ep": 3}, "ep (3) must divide dp * cp (4)"),
+        ({"ep": 0}, "ep (0) must divide"),
     ],
 )
 def test_a_world_size_that_does_not_factor_raises(world4, kwargs, message):

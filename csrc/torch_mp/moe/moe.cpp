@@ -1,0 +1,313 @@
+// A mixture of experts over an expert group (moe.h).
+
+#include "torch_mp/moe/moe.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "torch_mp/activation.h"
+#include "torch_mp/agreement.h"
+#include "torch_mp/comm.h"
+#include "torch_mp/layout.h"
+#include "torch_mp/mesh.h"
+#include "torch_mp/moe/dispatch.h"
+#include "torch_mp/moe/router.h"
+#include "torch_mp/tensor_parallel/sharding.h"
+
+namespace torch_mp::moe {
+namespace {
+
+// The experts' MLP: expert `i` of the stacked parameters on the rows `x`.
+at::Tensor run_expert(const MoEParameters& p,
+                      int64_t i,
+                      const at::Tensor& x,
+                      const std::string& activation) {
+  const auto b1 = p.fc1_bias ? std::optional<at::Tensor>((*p.fc1_bias)[i]) : std::nullopt;
+  const auto b2 = p.fc2_bias ? std::optional<at::Tensor>((*p.fc2_bias)[i]) : std::nullopt;
+  return at::linear(
+      torch_mp::activation(at::linear(x, p.fc1_weight[i], b1), activation), p.fc2_weight[i], b2);
+}
+
+// The local experts, one after another, over `rows` grouped by expert (`counts` rows each).
+at::Tensor run_experts(const MoEParameters& p,
+                       const at::Tensor& rows,
+                       const std::vector<int64_t>& counts,
+                       const std::string& activation) {
+  std::vector<at::Tensor> outputs;
+  int64_t first = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] > 0) {
+      outputs.push_back(
+          run_expert(p, static_cast<int64_t>(i), rows.narrow(0, first, counts[i]), activation));
+    }
+    first += counts[i];
+  }
+  if (outputs.empty()) {
+    return at::zeros({0, p.fc2_weight.size(1)}, rows.options());
+  }
+  return at::cat(outputs);
+}
+
+std::vector<int64_t> as_vector(const at::Tensor& t) {
+  const auto c = t.contiguous();
+  return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
+}
+
+}  // namespace
+
+void check_moe(const dense::MoEOptions& o, const GroupPtr& group) {
+  const std::vector<std::string> routers{"softmax", "sigmoid"};
+  const auto router = std::find(routers.begin(), routers.end(), o.router()) - routers.begin();
+  // Agreement first: a check that fails on one rank only would leave the others waiting.
+  if (group) {
+    comm::check_same_across_ranks(
+        {o.hidden_size(),
+         o.ffn_hidden_size(),
+         o.num_experts(),
+         o.top_k(),
+         router,
+         o.capacity_factor().has_value(),
+         comm::bits(o.capacity_factor().value_or(0.0)),
+         comm::bits(o.aux_loss_coef()),
+         o.bias()},
+        group,
+        "MoE configuration [hidden_size, ffn_hidden_size, num_experts, top_k, router, "
+        "capacity, capacity_factor (bits), aux_loss_coef (bits), bias]");
+  }
+  check_routing(o.num_experts(), o.top_k(), o.router(), o.capacity_factor());
+  check_activation(o.activation());
+  TORCH_CHECK(!group || o.num_experts() % group->getSize() == 0,
+              "MoE: num_experts (",
+              o.num_experts(),
+              ") must be divisible by the expert-parallel size (",
+              group ? group->getSize() : 1,
+              ")");
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
+                                               const MoEParameters& p,
+                                               const dense::MoEOptions& o,
+                                               const GroupPtr& group) {
+  TORCH_CHECK(x.dim() >= 1, "MoE: the input must be [..., hidden], got ", x.sizes());
+  const int64_t hidden = x.size(-1);
+  const int64_t ranks = group ? group->getSize() : 1;
+  const int64_t num_experts = p.router_weight.size(0);
+  const int64_t local_experts = p.fc1_weight.size(0);
+  TORCH_CHECK(local_experts * ranks == num_experts,
+              "MoE: ",
+              local_experts,
+              " experts on each of ",
+              ranks,
+              " ranks for a router of ",
+              num_experts);
+  const auto tokens = x.reshape({-1, hidden});
+  const int64_t count = tokens.size(0);
+  const auto r = route(tokens, p.router_weight, o.top_k(), o.router(), o.capacity_factor());
+
+  // The kept choices, sorted by expert (stably: token order within an expert).
+  const auto kept = r.kept.flatten().nonzero().squeeze(1);
+  const auto expert_of = r.experts.flatten().index_select(0, kept);
+  const auto order = std::get<1>(expert_of.sort(/*stable=*/std::optional<bool>(true), 0));
+  const auto choice = kept.index_select(0, order);  // into the [T * k] choices
+  const auto token = at::floor_divide(choice, o.top_k());
+  const auto weight = r.weights.flatten().index_select(0, choice);
+  const auto per_expert = at::bincount(expert_of, {}, num_experts).to(at::kCPU);
+
+  const auto sent = tokens.index_select(0, token);
+  at::Tensor results;
+  if (ranks == 1) {
+    results = run_experts(p, sent, as_vector(per_expert), o.activation());
+  } else {
+    // The counts for each rank's experts, and this rank's hidden size (checked on arrival: a
+    // rank that differs from any other makes every rank raise, before the tokens move).
+    const auto counts = at::cat({per_expert.view({ranks, local_experts}),
+                                 at::full({ranks, 1}, hidden, per_expert.options())},
+                                1);
+    const auto received = exchange_counts(counts, group);  // [ranks, local experts + 1]
+    const auto hiddens = received.select(1, local_experts);
+    TORCH_CHECK(hiddens.eq(hidden).all().item<bool>(),
+                "MoE: the ranks of the expert group pass different hidden sizes (rank ",
+                group->getRank(),
+                " has ",
+                hidden,
+                ", the group's are ",
+                c10::IntArrayRef(as_vector(hiddens)),
+                ")");
+    const auto from = received.narrow(1, 0, local_experts);  // [source rank, local expert]
+    const auto send_counts = as_vector(counts.narrow(1, 0, local_experts).sum(1));
+    const auto recv_counts = as_vector(from.sum(1));
+    // Rows arrive by source rank, then by expert; the experts want them by expert, then by
+    // source rank: `regroup` lists the arrived rows in that order.
+    const auto f = from.contiguous();
+    const auto* n = f.data_ptr<int64_t>();
+    std::vector<int64_t> starts(static_cast<size_t>(ranks * local_experts));
+    int64_t at_row = 0;
+    for (int64_t j = 0; j < ranks * local_experts; ++j) {
+      starts[j] = at_row;
+      at_row += n[j];
+    }
+    std::vector<int64_t> regroup;
+    regroup.reserve(static_cast<size_t>(at_row));
+    for (int64_t e = 0; e < local_experts; ++e) {
+      for (int64_t j = 0; j < ranks; ++j) {
+        for (int64_t i = 0; i < n[j * local_experts + e]; ++i) {
+          regroup.push_back(starts[j * local_experts + e] + i);
+        }
+      }
+    }
+    const auto by_expert = at::tensor(regroup, at::kLong).to(x.device());
+    const auto arrived = all_to_all_rows(sent, send_counts, recv_counts, group);
+    const auto outputs =
+        run_experts(p, arrived.index_select(0, by_expert), as_vector(from.sum(0)), o.activation());
+    // Back to arrival order (the inverse permutation), and home.
+    const auto back = at::empty_like(by_expert).index_put_(
+        {by_expert}, at::arange(by_expert.size(0), by_expert.options()));
+    results = all_to_all_rows(outputs.index_select(0, back), recv_counts, send_counts, group);
+  }
+  const auto y = at::zeros_like(tokens).index_add(0, token, results * weight.unsqueeze(1));
+  return {y.view(x.sizes()), load_balancing_loss(r, o.aux_loss_coef())};
+}
+
+// ---- MoE --------------------------------------------------------------------------------------
+
+MoEImpl::MoEImpl(dense::MoEOptions options_, GroupPtr group_, bool initialise)
+    : options(std::move(options_)), group(std::move(group_)), initialise_(initialise) {
+  reset();
+}
+
+void MoEImpl::reset() {
+  group = group ? group : get_mesh()->ep_group;
+  const auto& o = options;
+  check_moe(o, group);
+  router = register_module(
+      "router",
+      torch::nn::Linear(torch::nn::LinearOptions(o.hidden_size(), o.num_experts()).bias(false)));
+  experts = register_module("experts",
+                            dense::Experts(o.hidden_size(),
+                                           o.ffn_hidden_size(),
+                                           o.num_experts() / group->getSize(),
+                                           o.activation(),
+                                           o.bias()));
+  register_layouts();
+  if (initialise_) {
+    reset_parameters();
+  }
+}
+
+void MoEImpl::register_layouts() {
+  set_replicated(router->weight, group);
+  for (const auto& p : experts->parameters()) {  // this rank's experts
+    set_sharded(p, 0, group);
+  }
+}
+
+void MoEImpl::reset_parameters() { load_dense(dense::MoE(options)); }
+
+void MoEImpl::load_dense(const dense::MoE& dense) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(dense->options.num_experts() == options.num_experts() &&
+                  dense->options.bias() == options.bias(),
+              "MoE.load_dense: the dense module has ",
+              dense->options.num_experts(),
+              " experts",
+              dense->options.bias() ? " with" : " without",
+              " biases; this one ",
+              options.num_experts(),
+              options.bias() ? " with" : " without");
+  router->weight.copy_(dense->router->weight);
+  for (const auto& item : experts->named_parameters()) {
+    item.value().copy_(
+        tensor_parallel::shard(dense->experts->named_parameters()[item.key()], 0, group));
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> MoEImpl::forward(const at::Tensor& x) {
+  return moe_forward(x, weights(), options, group);
+}
+
+MoEParameters MoEImpl::weights() const {
+  const auto optional = [](const at::Tensor& t) {
+    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+  };
+  return {router->weight,
+          experts->fc1_weight,
+          optional(experts->fc1_bias),
+          experts->fc2_weight,
+          optional(experts->fc2_bias)};
+}
+
+MoE MoEImpl::from_dense(const dense::MoE& dense, GroupPtr group) {
+  auto layer = MoE(std::shared_ptr<MoEImpl>(
+      new MoEImpl(dense->options, std::move(group), /*initialise=*/false)));
+  const auto& weight = dense->router->weight;
+  layer->to(weight.device(), weight.scalar_type());
+  layer->load_dense(dense);
+  return layer;
+}
+
+dense::MoE MoEImpl::to_dense() const {
+  const tensor_parallel::KeepDefaultRng
+      keep_rng;  // the dense module's own initialisation is overwritten
+  dense::MoE dense(options);
+  const auto& weight = router->weight;
+  dense->to(weight.device(), weight.scalar_type());
+  at::NoGradGuard no_grad;
+  dense->router->weight.copy_(weight);
+  const auto mine = experts->named_parameters();
+  for (auto& item : dense->experts->named_parameters()) {
+    item.value().copy_(comm::all_gather(mine[item.key()].contiguous(), 0, group));
+  }
+  return dense;
+}
+
+std::shared_ptr<torch::nn::Module> MoEImpl::clone(
+    const std::optional<torch::Device>& device) const {
+  auto copy = Cloneable::clone(device);
+  std::dynamic_pointer_cast<MoEImpl>(copy)->register_layouts();
+  return copy;
+}
+
+// ---- the operator -----------------------------------------------------------------------------
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> moe_op(const at::Tensor& x,
+                                          const at::Tensor& router_weight,
+                                          const at::Tensor& fc1_weight,
+                                          const std::optional<at::Tensor>& fc1_bias,
+                                          const at::Tensor& fc2_weight,
+                                          const std::optional<at::Tensor>& fc2_bias,
+                                          int64_t top_k,
+                                          c10::string_view activation,
+                                          c10::string_view router,
+                                          std::optional<double> capacity_factor,
+                                          double aux_loss_coef,
+                                          c10::string_view group) {
+  const auto options =
+      dense::MoEOptions(router_weight.size(1), fc1_weight.size(1), router_weight.size(0))
+          .top_k(top_k)
+          .activation(std::string(activation))
+          .router(std::string(router))
+          .capacity_factor(capacity_factor)
+          .aux_loss_coef(aux_loss_coef)
+          .bias(fc1_bias.has_value());
+  return moe_forward(x,
+                     {router_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias},
+                     options,
+                     group.empty() ? nullptr : group_named(group));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
+  m.def(
+      "moe(Tensor x, Tensor router_weight, Tensor fc1_weight, Tensor? fc1_bias, "
+      "Tensor fc2_weight, Tensor? fc2_bias, int top_k, str activation, str router, "
+      "float? capacity_factor, float aux_loss_coef, str group) -> (Tensor, Tensor)",
+      &moe_op);
+}
+
+}  // namespace torch_mp::moe

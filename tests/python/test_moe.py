@@ -1,0 +1,187 @@
+"""Mixtures of experts: torch_mp.dense.MoE against a token-by-token reading of its definition,
+and torch_mp.moe.MoE (experts split over an expert group, tokens moved by all-to-all) against
+the dense module on each rank's tokens, at ep = 2 and 4: outputs, aux losses and, after an SGD
+step on the sum of every rank's losses, the gathered parameters; dropless and with capacity,
+softmax and sigmoid routers, top 1 and 2. Bad settings raise on every rank."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import get_world
+from reference import assert_close, error_of, rank_tensor, use_mesh
+from torch.nn import functional as F
+
+import torch_mp
+from torch_mp import dense
+
+HIDDEN, FFN, EXPERTS = 8, 12, 4
+# Sums over tokens taken in another order (an expert's tokens from several ranks): atol 1e-5 for
+# entries near zero, rtol 1e-5.
+GRAD_ATOL = 1e-5
+
+
+def _token_by_token(moe: dense.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense module's definition read literally: every token on its own, capacity counted
+    in token order."""
+    tokens = x.reshape(-1, x.shape[-1])
+    count, e, k = tokens.shape[0], moe.num_experts, moe.top_k
+    capacity = math.inf
+    if moe.capacity_factor is not None:
+        capacity = math.ceil(moe.capacity_factor * count * k / e)
+    taken = [0] * e
+    rows, picks, probabilities = [], [], []
+    for t in range(count):
+        logits = tokens[t] @ moe.router.weight.T
+        if moe.router_kind == "softmax":
+            scores = logits.softmax(-1)
+            probabilities.append(scores)
+        else:
+            scores = logits.sigmoid()
+            probabilities.append(scores / scores.sum())
+        top, chosen = scores.topk(k)
+        weights = top / top.sum()
+        out = torch.zeros(x.shape[-1])
+        for w, i in zip(weights, chosen.tolist(), strict=True):
+            picks.append(i)
+            if taken[i] < capacity:
+                taken[i] += 1
+                out = out + w * moe.experts.expert(i, tokens[t : t + 1])[0]
+        rows.append(out)
+    share = torch.bincount(torch.tensor(picks), minlength=e).float() / (count * k)
+    mean = torch.stack(probabilities).mean(0)
+    return torch.stack(rows).view_as(x), moe.aux_loss_coef * e * (share * mean).sum()
+
+
+CASES = {
+    "softmax-top2": {"top_k": 2},
+    "softmax-top1": {"top_k": 1},
+    "sigmoid-top2": {"top_k": 2, "router": "sigmoid"},
+    "softmax-top2-capacity": {"top_k": 2, "capacity_factor": 0.75},
+    "sigmoid-top1-capacity-bias": {
+        "top_k": 1,
+        "router": "sigmoid",
+        "capacity_factor": 1.0,
+        "bias": True,
+    },
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_dense_module_is_its_definition(case):
+    torch.manual_seed(0)
+    moe = dense.MoE(HIDDEN, FFN, EXPERTS, **CASES[case])
+    x = torch.randn(3, 7, HIDDEN)
+    y, aux = moe(x)
+    want_y, want_aux = _token_by_token(moe, x)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux, want_aux, rtol=1e-5, atol=1e-7)
+    if "capacity_factor" in CASES[case]:  # the cap drops some choices here
+        uncapped = copy.deepcopy(moe)
+        uncapped.capacity_factor = None
+        assert not torch.allclose(uncapped(x)[0], y)
+
+
+def _tokens(rank: int) -> torch.Tensor:
+    """Rank r's tokens: a different number on every rank ([2, 3 + 2r, hidden])."""
+    return rank_tensor(1, rank, 2, 3 + 2 * rank, HIDDEN)
+
+
+def _step_equals_dense(ep: int, kwargs: dict) -> None:
+    mesh = use_mesh(1, 1, 1, ep)
+    torch.manual_seed(0)
+    reference = dense.MoE(HIDDEN, FFN, EXPERTS, **kwargs)
+    parallel = torch_mp.moe.MoE.from_dense(reference)
+    assert parallel.group is mesh.ep_group and parallel.experts.num_experts == EXPERTS // ep
+    layout = torch_mp.layout_of(parallel.experts.fc1_weight)
+    assert layout.shard_dim == 0 and layout.group_name == mesh.ep_group.group_name
+
+    # The dense module on every rank's tokens, the loss the sum of the ranks' losses.
+    total = 0
+    for r in range(ep):
+        y, aux = reference(_tokens(r))
+        total = total + (y * rank_tensor(2, r, *y.shape)).sum() + aux
+    total.backward()
+
+    rank = dist.get_rank()
+    x = _tokens(rank).requires_grad_()
+    y, aux = parallel(x)
+    want_y, want_aux = copy.deepcopy(reference)(_tokens(rank))
+    assert_close(y, want_y.detach(), "output")
+    assert_close(aux, want_aux.detach(), "aux loss")
+    ((y * rank_tensor(2, rank, *y.shape)).sum() + aux).backward()
+    # The replicated router's gradient: each rank's part, summed.
+    dist.all_reduce(parallel.router.weight.grad, group=mesh.ep_group)
+    for model in (reference, parallel):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    gathered = parallel.to_dense().state_dict()
+    for name, value in reference.state_dict().items():
+        assert_close(gathered[name], value, f"{name} after a step", GRAD_ATOL)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_moe_equals_the_dense_module(ep, case):
+    get_world(ep).run(_step_equals_dense, ep, CASES[case])
+
+
+def _round_trip(ep: int) -> float:
+    use_mesh(1, 1, 1, ep)
+    torch.manual_seed(3)
+    reference = dense.MoE(HIDDEN, FFN, EXPERTS, bias=True)
+    torch.manual_seed(dist.get_rank())  # the module's own draw must not matter
+    parallel = torch_mp.moe.MoE(HIDDEN, FFN, EXPERTS, bias=True)
+    parallel.load_dense(reference)
+    back = parallel.to_dense()
+    return max(
+        (back.state_dict()[n] - v).abs().max().item() for n, v in reference.state_dict().items()
+    )
+
+
+def test_to_dense_gathers_what_load_dense_split():
+    for worst in get_world(2).run(_round_trip, 2):
+        assert worst == 0
+
+
+def _errors() -> dict[str, str | None]:
+    use_mesh(1, 1, 1, 2)
+    rank = dist.get_rank()
+    moe = torch_mp.moe.MoE(HIDDEN, FFN, EXPERTS)
+    return {
+        "indivisible": error_of(torch_mp.moe.MoE, HIDDEN, FFN, 3),
+        "capacity": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, capacity_factor=0.0),
+        "top_k": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, top_k=5),
+        "router": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, router="relu"),
+        "disagree": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, top_k=1 + rank),
+        # (The module's parameters padded on rank 1: its tokens are wider.)
+        "hidden": error_of(
+            lambda: torch.ops.torch_mp.moe(
+                torch.randn(5, HIDDEN + rank),
+                F.pad(moe.router.weight, (0, rank)),
+                F.pad(moe.experts.fc1_weight, (0, rank)),
+                None,
+                F.pad(moe.experts.fc2_weight, (0, 0, 0, rank)),
+                None,
+                2,
+                "gelu",
+                "softmax",
+                None,
+                0.01,
+                moe.group.group_name,
+            )
+        ),
+    }
+
+
+def test_bad_settings_raise_on_every_rank():
+    for errors in get_world(2).run(_errors):
+        assert "MoE: num_experts (3) must be divisible" in errors["indivisible"]
+        assert "capacity_factor must be positive (a capacity of zero" in errors["capacity"]
+        assert "top_k must be in [1, num_experts = 4], got 5" in errors["top_k"]
+        assert "router must be 'softmax' or 'sigmoid', got 'relu'" in errors["router"]
+        assert "MoE configuration [hidden_size" in errors["disagree"]
+        assert "pass different hidden sizes" in errors["hidden"]

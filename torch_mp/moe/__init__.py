@@ -1,0 +1,196 @@
+"""Expert parallelism: a mixture of experts whose experts are spread over the ranks of an expert
+group, tokens routed to them by all-to-all (the C++ core's csrc/torch_mp/moe/; the forward is the
+operator ``torch.ops.torch_mp.moe``).
+
+:class:`MoE` equals :class:`torch_mp.dense.MoE` on each rank's tokens: outputs, load-balancing
+loss and gradients (the experts' gradients gathering every rank's tokens that went to them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_mp import _C
+from torch_mp import dense as dense_modules
+from torch_mp._group import SharesGroup
+from torch_mp.layout import set_layout
+from torch_mp.mesh import get_mesh
+
+__all__ = ["MoE"]
+
+
+class MoE(SharesGroup, nn.Module):
+    """A mixture of experts with the experts split over the expert group.
+
+    The arguments of :class:`torch_mp.dense.MoE`, and ``group``. Rank e of the group holds
+    experts ``[e * E / ep, (e + 1) * E / ep)``: ``experts`` is a :class:`torch_mp.dense.Experts`
+    of ``E / ep`` experts whose parameters are sharded over the group along the experts' dim
+    (their layout says so, for checkpoints and gradient norms); the router is replicated.
+
+    ``forward(x)`` takes this rank's tokens ``[..., hidden]`` and returns ``(y, aux_loss)`` as
+    the dense module would on them. Each token goes to its experts' ranks by an all-to-all with
+    variable counts (the counts exchanged first), the local experts run one after another over
+    the tokens they received, and the results come back by a second all-to-all; the backward
+    mirrors it. A collective over the group: every rank must call it, with its own tokens (any
+    number of them).
+
+    Args:
+        hidden_size, ffn_hidden_size, num_experts, top_k, activation, router,
+            capacity_factor, aux_loss_coef, bias: As in :class:`torch_mp.dense.MoE`.
+        group: The expert group; the default mesh's ``ep_group`` when None.
+        device, dtype: Where and in what type to create the parameters.
+
+    Raises:
+        RuntimeError: On every rank, if the group size does not divide ``num_experts``, the
+            routing settings are invalid (``capacity_factor`` must be positive: a capacity of
+            zero would drop every token), or ranks disagree on the configuration; in forward,
+            if the ranks pass different hidden sizes.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int = 2,
+        *,
+        activation: str = "gelu",
+        router: str = "softmax",
+        capacity_factor: float | None = None,
+        aux_loss_coef: float = 0.01,
+        bias: bool = False,
+        group: dist.ProcessGroup | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.group = group if group is not None else get_mesh().ep_group
+        _C.moe.check_moe(
+            hidden_size,
+            ffn_hidden_size,
+            num_experts,
+            top_k,
+            activation,
+            router,
+            capacity_factor,
+            aux_loss_coef,
+            bias,
+            self.group.group_name,
+        )
+        self.top_k, self.router_kind = top_k, router
+        self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
+        self.ep_size = dist.get_world_size(self.group)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device="meta")
+        local = num_experts // self.ep_size
+        with torch.device("meta"):
+            self.experts = dense_modules.Experts(
+                hidden_size, ffn_hidden_size, local, activation, bias
+            )
+        if device is not None and torch.device(device).type == "meta":
+            self._register_layouts()
+            return
+        self.to_empty(device=device if device is not None else "cpu")
+        if dtype is not None:
+            self.to(dtype=dtype)
+        self.reset_parameters()
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.out_features
+
+    def _register_layouts(self) -> None:
+        set_layout(self.router.weight, None, self.group)
+        for parameter in self.experts.parameters():  # this rank's experts
+            set_layout(parameter, 0, self.group)
+
+    def _dense(self, device=None) -> dense_modules.MoE:
+        experts = self.experts
+        return dense_modules.MoE(
+            self.router.in_features,
+            experts.fc1_weight.shape[1],
+            self.num_experts,
+            self.top_k,
+            activation=experts.activation,
+            router=self.router_kind,
+            capacity_factor=self.capacity_factor,
+            aux_loss_coef=self.aux_loss_coef,
+            bias=experts.fc1_bias is not None,
+        ).to(device=device)
+
+    def reset_parameters(self) -> None:
+        """Draws a :class:`torch_mp.dense.MoE` with these arguments and keeps this rank's
+        experts (and the router)."""
+        self.load_dense(self._dense())
+
+    def load_dense(self, dense: dense_modules.MoE) -> None:
+        """Copies ``dense``'s router and this rank's experts into the parameters."""
+        if dense.num_experts != self.num_experts:
+            raise ValueError(
+                f"MoE.load_dense: the dense module has {dense.num_experts} experts, this one "
+                f"{self.num_experts}"
+            )
+        rank, local = dist.get_rank(self.group), self.experts.num_experts
+        with torch.no_grad():
+            self.router.weight.copy_(dense.router.weight)
+            mine = dict(self.experts.named_parameters())
+            for name, value in dense.experts.named_parameters():
+                mine[name].copy_(value[rank * local : (rank + 1) * local])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = self.experts
+        return torch.ops.torch_mp.moe(
+            x,
+            self.router.weight,
+            experts.fc1_weight,
+            experts.fc1_bias,
+            experts.fc2_weight,
+            experts.fc2_bias,
+            self.top_k,
+            experts.activation,
+            self.router_kind,
+            self.capacity_factor,
+            self.aux_loss_coef,
+            self.group.group_name,
+        )
+
+    @classmethod
+    def from_dense(cls, dense: dense_modules.MoE, group: dist.ProcessGroup | None = None) -> MoE:
+        """Shards ``dense`` (device and dtype kept, no random draws); a collective only in
+        that it checks the configuration over the group."""
+        experts = dense.experts
+        layer = cls(
+            dense.router.in_features,
+            experts.fc1_weight.shape[1],
+            dense.num_experts,
+            dense.top_k,
+            activation=experts.activation,
+            router=dense.router_kind,
+            capacity_factor=dense.capacity_factor,
+            aux_loss_coef=dense.aux_loss_coef,
+            bias=experts.fc1_bias is not None,
+            group=group,
+            device="meta",
+        )
+        weight = dense.router.weight
+        layer.to_empty(device=weight.device)
+        layer.to(dtype=weight.dtype)
+        layer.load_dense(dense)
+        return layer
+
+    def to_dense(self) -> dense_modules.MoE:
+        """The dense module, every expert gathered onto every rank (a collective)."""
+        weight = self.router.weight
+        with torch.device("meta"):
+            dense = self._dense()
+        dense.to_empty(device=weight.device)
+        dense.to(dtype=weight.dtype)
+        with torch.no_grad():
+            dense.router.weight.copy_(weight)
+            theirs = dict(dense.experts.named_parameters())
+            for name, value in self.experts.named_parameters():
+                parts = [torch.empty_like(value) for _ in range(self.ep_size)]
+                dist.all_gather(parts, value.detach().contiguous(), group=self.group)
+                theirs[name].copy_(torch.cat(parts))
+        return dense
