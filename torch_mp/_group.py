@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 
+import torch.distributed as dist
+
 
 class SharesGroup:
-    """Mixin for modules with a ``group`` attribute (and perhaps a ``context_group``).
+    """Mixin for modules that hold process groups (a ``group``, a ``context_group``...).
 
     - ``copy.deepcopy`` shares the groups (communicators, not state; c10d groups cannot be
       copied) and copies everything else.
@@ -29,8 +31,9 @@ class SharesGroup:
         self._register_layouts()
 
     def __deepcopy__(self, memo):
-        for group in (self.group, getattr(self, "context_group", None)):
-            memo[id(group)] = group
+        for value in self.__dict__.values():
+            if isinstance(value, dist.ProcessGroup):
+                memo[id(value)] = value
         clone = self.__class__.__new__(self.__class__)
         memo[id(self)] = clone
         for key, value in self.__dict__.items():

@@ -33,13 +33,10 @@ struct FromPython {
   static type& convert(type& value) { return value; }
 };
 
-// "" stands for no group (an optional one left out).
 template <>
 struct FromPython<const GroupPtr&> {
   using type = std::string;
-  static GroupPtr convert(const std::string& name) {
-    return name.empty() ? nullptr : resolve(name);
-  }
+  static GroupPtr convert(const std::string& name) { return resolve(name); }
 };
 
 }  // namespace detail

@@ -34,7 +34,7 @@ void bind_moe(py::module_& parent) {
                            .capacity_factor(capacity_factor)
                            .aux_loss_coef(aux_loss_coef)
                            .bias(bias),
-                       group.empty() ? nullptr : resolve(group));
+                       group_named_or_none(group));
       },
       py::arg("hidden_size"),
       py::arg("ffn_hidden_size"),

@@ -167,4 +167,8 @@ GroupPtr group_named(std::string_view name) {
   return c10d::resolve_process_group(std::string(name));
 }
 
+GroupPtr group_named_or_none(std::string_view name) {
+  return name.empty() ? nullptr : group_named(name);
+}
+
 }  // namespace torch_mp

@@ -63,4 +63,8 @@ std::string group_name(const GroupPtr& group);
 /// none.
 GroupPtr group_named(std::string_view name);
 
+/// group_named(name), or null for "": how the operators take an optional group (the context
+/// group of a layer that may not be context-parallel, say).
+GroupPtr group_named_or_none(std::string_view name);
+
 }  // namespace torch_mp

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import get_world
-from reference import use_mesh
+from reference import error_of, use_mesh
 from torch import nn
 
 import torch_mp
@@ -332,3 +332,21 @@ def _context_parallel_layer(tp: int, method: str) -> None:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_context_parallel_layer_compiles_whole_and_equals_eager(tp, method):
     get_world(2 * tp).run(_context_parallel_layer, tp, method)
+
+
+def _compiled_all_gather_agrees_the_parts() -> str | None:
+    """Compiled, all_gather attention without a mask (whose positions go unused) still agrees
+    the ranks' parts before gathering them: rank 1's longer part raises on both ranks."""
+    use_mesh(1, 1, 2)
+    attend = torch.compile(
+        lambda q: cp.attention(q, q, q, method="all_gather"), fullgraph=True, backend="aot_eager"
+    )
+    torch.testing.assert_close(
+        attend(torch.ones(1, 2, 4, 8)), torch.ones(1, 2, 4, 8), **TOL
+    )  # (compiled once with equal parts)
+    return error_of(attend, torch.randn(1, 2, 4 + 2 * dist.get_rank(), 8))
+
+
+def test_compiled_all_gather_attention_agrees_the_parts():
+    for error in get_world(2).run(_compiled_all_gather_agrees_the_parts):
+        assert error is not None and "then q's, k's and v's dims and sizes" in error

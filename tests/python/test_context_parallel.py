@@ -188,6 +188,10 @@ def _errors(world: int) -> dict[str, str | None]:
         "ring mask": error_of(cp.attention, q, q, q, attn_mask=torch.ones(8, 8, dtype=bool)),
         "method": error_of(cp.attention, q, q, q, method="ulysses"),
         "shapes": error_of(cp.attention, *(torch.randn(B, 4, 4 + 2 * rank, DIM),) * 3),
+        # (rank 1's part odd: refused alone, it would leave rank 0 in the agreement)
+        "odd part": error_of(
+            cp.attention, *(torch.randn(B, 4, 4 + rank, DIM),) * 3, is_causal=True
+        ),
         "gathered shapes": error_of(
             cp.attention, *(torch.randn(B, 4, 4 + 2 * rank, DIM),) * 3, method="all_gather"
         ),
@@ -210,8 +214,8 @@ def test_bad_input_raises_on_every_rank_naming_it():
         assert "shard_sequence: [sequence length, dim]" in errors["lengths"]
         assert "takes is_causal, not an attn_mask" in errors["ring mask"]
         assert "method must be 'ring', 'all_gather' or 'all_to_all'" in errors["method"]
-        assert "[batch, heads, key/value heads, sequence part" in errors["shapes"]
-        assert "[batch, heads, key/value heads, sequence part" in errors["gathered shapes"]
+        for key in ("shapes", "gathered shapes", "odd part"):
+            assert "then q's, k's and v's dims and sizes" in errors[key], key
         assert "must be the same on every rank of the group" in errors["exchanged shapes"]
 
 

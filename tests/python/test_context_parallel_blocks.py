@@ -183,6 +183,16 @@ def _errors() -> dict[str, str | None]:
             context_method=("ring", "all_gather")[mesh.cp_rank],
         ),
     }
+    layer = torch_mp.ParallelTransformerLayer(
+        HIDDEN, HEADS, FFN, dropout=0.0, context_parallel=True
+    )
+    three_heads = torch_mp.ParallelSelfAttention(
+        12, 3, context_parallel=True, context_method="all_to_all"
+    )
+    rank = mesh.cp_rank
+    errors["lengths"] = error_of(layer, torch.randn(SEQ // 2 + 2 * rank, BATCH, HIDDEN), None, True)
+    errors["odd part"] = error_of(layer, torch.randn(7, BATCH, HIDDEN), None, True)
+    errors["heads"] = error_of(three_heads, torch.randn(8, BATCH, 12), None, True)
     with_dropout.eval()  # (dropout is fine outside training)
     assert with_dropout(x, is_causal=True).shape == x.shape
     return errors
@@ -196,3 +206,35 @@ def test_bad_context_parallel_settings_raise_on_every_rank():
         assert "(s the whole sequence under context parallelism)" in errors["mask"]
         assert "takes is_causal, not an attn_mask" in errors["ring mask"]
         assert "context_method, load_balance]" in errors["disagree"]
+        assert "then q's, k's and v's dims and sizes" in errors["lengths"]
+        assert "a load-balanced part holds two chunks; its length (7) is odd" in errors["odd part"]
+        assert "the heads (3) and key/value heads (3) must be divisible" in errors["heads"]
+
+
+def _attention_agrees(method: str) -> None:
+    """ParallelSelfAttention.from_dense(..., context_parallel=True) against
+    nn.MultiheadAttention on the whole sequence under a causal mask."""
+    use_mesh(1, 1, 2)
+    torch.manual_seed(0)
+    dense = nn.MultiheadAttention(HIDDEN, HEADS)
+    x, g = rank_tensor(1, 0, SEQ, BATCH, HIDDEN), rank_tensor(2, 0, SEQ, BATCH, HIDDEN)
+    causal = nn.Transformer.generate_square_subsequent_mask(SEQ)
+    x_ref = x.clone().requires_grad_()
+    y_ref, _ = dense(x_ref, x_ref, x_ref, attn_mask=causal, need_weights=False)
+    y_ref.backward(g)
+    parallel = torch_mp.ParallelSelfAttention.from_dense(
+        dense, context_parallel=True, context_method=method
+    )
+    x_par = cp.shard_sequence(x, 0).requires_grad_()
+    y = parallel(x_par, is_causal=True)
+    y.backward(cp.shard_sequence(g, 0))
+    assert_close(y, cp.shard_sequence(y_ref.detach(), 0), "output")
+    assert_close(x_par.grad, cp.shard_sequence(x_ref.grad, 0), "input gradient", GRAD_ATOL)
+    grad = parallel.qkv.weight.grad.clone()
+    dist.all_reduce(grad, group=parallel.context_group)
+    assert_close(grad, dense.in_proj_weight.grad, "in-projection gradient", GRAD_ATOL)
+
+
+@pytest.mark.parametrize("method", cp.METHODS)
+def test_context_parallel_self_attention_from_dense_equals_multihead_attention(method):
+    get_world(2).run(_attention_agrees, method)

@@ -12,6 +12,10 @@ __all__ = ["METHODS", "attention"]
 
 METHODS = ("ring", "all_gather", "all_to_all")
 
+# all_gather agrees the ranks' parts through this operator before its gathers; compiled code must
+# keep it even where the positions it returns go unused (no mask).
+torch.fx.node.has_side_effect(torch.ops.torch_mp.context_part_positions.default)
+
 
 def attention(
     q: torch.Tensor,

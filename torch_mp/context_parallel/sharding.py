@@ -32,8 +32,10 @@ def shard_sequence(
     every rank of the context group): with ``load_balance``, chunks r and 2 * cp - 1 - r of
     2 * cp, else chunk r of cp. Its backward puts the part's gradient in its place, zeros
     elsewhere: the context ranks hold different parts of the data, and DataParallel averages
-    replicated parameters' gradients over data x context ranks (one process's gradients, with
-    each rank's loss a mean over its part). Pass the same ``load_balance`` to
+    replicated parameters' gradients over data x context ranks: one process's gradients when
+    each rank's loss is the mean over the whole sequence
+    (``vocab_parallel_cross_entropy(..., context_parallel=True)``), or a mean over its part when
+    the parts count as many tokens. Pass the same ``load_balance`` to
     :func:`attention`: a different one is not detectable, and gives wrong results.
 
     Args:

@@ -8,7 +8,7 @@ giving ``[s, b, vocab]`` logits. The C++ examples define the same model, corpus 
 
 In the stages, the vocabulary (embedding rows, logits, loss), the attention heads and the MLP are
 split across the tensor group; with ``sequence_parallel`` the LayerNorms and residuals act on
-each rank's chunk of the sequence. With ``context_parallel`` each rank of the context group holds
+each rank's chunk of the sequence. With a ``context_group`` each rank of the context group holds
 its part of every sequence (load-balanced, :func:`torch_mp.context_parallel.shard_sequence`) from
 the embeddings to the loss, which is the mean over the whole sequence. The first stage holds the
 embeddings, the last the final norm and the head, a copy of the embedding tied to it across the
@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 import torch_mp
 from torch_mp import collectives, context_parallel
+from torch_mp._group import SharesGroup
 
 __all__ = [
     "Corpus",
@@ -170,14 +172,14 @@ def dense_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), target.T.flatten())
 
 
-class GPTStage(nn.Module):
+class GPTStage(SharesGroup, nn.Module):
     """One pipeline stage of ``DenseGPT``, tensor-parallel: layers ``layers`` of the dense model,
     plus the embeddings on the first stage and the final norm and (tied) head on the last.
 
     The first stage takes ``[b, s]`` token ids; stages pass ``[s, b, h]`` activations
     (``[s / t, b, h]`` under sequence parallelism); the last returns this rank's
-    ``[s, b, ceil(vocab / t)]`` slice of the logits, for :meth:`loss`. Under
-    ``context_parallel`` the first stage keeps this rank's part of the tokens (and of the
+    ``[s, b, ceil(vocab / t)]`` slice of the logits, for :meth:`loss`. With a
+    ``context_group`` the first stage keeps this rank's part of the tokens (and of the
     positions), so that ``s`` above is the part's ``s / cp``; :meth:`loss` takes the whole
     targets and keeps the same part.
     """
@@ -190,12 +192,12 @@ class GPTStage(nn.Module):
         last: bool,
         sequence_parallel: bool = False,
         recompute: str | None = None,
-        context_parallel: bool = False,
+        context_group: dist.ProcessGroup | None = None,
         context_method: str = "ring",
     ) -> None:
         super().__init__()
         self.first, self.last, self.sequence_parallel = first, last, sequence_parallel
-        self.context_parallel = context_parallel
+        self.context_group = context_group
         self.vocab = dense.config.vocab
         self.layer_ids = layers
         if first:
@@ -206,7 +208,8 @@ class GPTStage(nn.Module):
                 dense.layers[i],
                 sequence_parallel=sequence_parallel,
                 recompute=recompute,
-                context_parallel=context_parallel,
+                context_parallel=context_group is not None,
+                context_group=context_group,
                 context_method=context_method,
             )
             for i in layers
@@ -223,9 +226,10 @@ class GPTStage(nn.Module):
         if self.first:
             tokens = x.T
             positions = torch.arange(tokens.shape[0])
-            if self.context_parallel:  # this rank's part of the sequence, from here to the loss
-                positions = context_parallel.sequence_positions(tokens.shape[0])
-                tokens = context_parallel.shard_sequence(tokens, 0)
+            if self.context_group is not None:  # this rank's part, from here to the loss
+                group = self.context_group
+                positions = context_parallel.sequence_positions(tokens.shape[0], group=group)
+                tokens = context_parallel.shard_sequence(tokens, 0, group=group)
             # Every rank computes the whole embedding (the vocab-parallel lookup all-reduces).
             x = self.tok(tokens) + self.pos(positions)[:, None]
             if self.sequence_parallel:
@@ -247,13 +251,14 @@ class GPTStage(nn.Module):
         (in fp32 whatever the logits' dtype); under context parallelism this rank's part of
         them, the mean taken over the context group's tokens."""
         target = target.T
-        if self.context_parallel:
-            target = context_parallel.shard_sequence(target, 0)
+        if self.context_group is not None:
+            target = context_parallel.shard_sequence(target, 0, group=self.context_group)
         return torch_mp.vocab_parallel_cross_entropy(
             logits.float(),
             target,
             vocab_size=self.vocab,
-            context_parallel=self.context_parallel,
+            context_parallel=self.context_group is not None,
+            context_group=self.context_group,
         )
 
     def dense_names(self) -> dict[str, str]:
@@ -297,7 +302,7 @@ def build_stages(
             last=s == num_stages - 1,
             sequence_parallel=sequence_parallel,
             recompute=recompute,
-            context_parallel=mesh.cp_size > 1,
+            context_group=mesh.cp_group if mesh.cp_size > 1 else None,
             context_method=context_method,
         )
         for s in range(mesh.pp_rank, num_stages, mesh.pp_size)

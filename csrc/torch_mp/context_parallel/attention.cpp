@@ -85,6 +85,21 @@ void check_parts(const at::Tensor& q,
                  const GroupPtr& group,
                  bool is_causal,
                  bool load_balance) {
+  // Agreed before anything is refused: a rank that refused alone would leave the others waiting.
+  if (group->getSize() > 1) {
+    std::vector<int64_t> shapes{is_causal, load_balance};
+    for (const auto* t : {&q, &k, &v}) {
+      shapes.push_back(t->dim());
+      for (int64_t d = 0; d < 4; ++d) {
+        shapes.push_back(d < t->dim() ? t->size(d) : -1);
+      }
+    }
+    comm::check_same_across_ranks(shapes,
+                                  group,
+                                  std::string(kWhat) +
+                                      " [is_causal, load_balance, then q's, k's and v's dims and "
+                                      "sizes: batch, heads, sequence part, head dim]");
+  }
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               kWhat,
               ": q, k and v must be [batch, heads, sequence part, head dim], got ",
@@ -107,14 +122,6 @@ void check_parts(const at::Tensor& q,
               ": a load-balanced part holds two chunks; its length (",
               q.size(2),
               ") is odd");
-  if (group->getSize() > 1) {
-    comm::check_same_across_ranks(
-        {q.size(0), q.size(1), k.size(1), q.size(2), q.size(3), is_causal, load_balance},
-        group,
-        std::string(kWhat) +
-            " [batch, heads, key/value heads, sequence part, head dim, "
-            "is_causal, load_balance]");
-  }
 }
 
 // The positions this rank's part holds (sequence_positions), once check_parts has agreed the
@@ -534,16 +541,11 @@ at::Tensor part_positions_kernel(const at::Tensor& q,
   const auto group = group_named(group_name);
   check_parts(q, k, v, group, is_causal, load_balance);
   const int64_t size = group->getSize();
-  return sequence_positions(q.size(2) * size, group->getRank(), size, load_balance)
-      .to(q.device());
+  return sequence_positions(q.size(2) * size, group->getRank(), size, load_balance).to(q.device());
 }
 
-at::Tensor part_positions_meta(const at::Tensor& q,
-                               const at::Tensor&,
-                               const at::Tensor&,
-                               c10::string_view,
-                               bool,
-                               bool) {
+at::Tensor part_positions_meta(
+    const at::Tensor& q, const at::Tensor&, const at::Tensor&, c10::string_view, bool, bool) {
   return at::empty({q.size(2)}, q.options().dtype(at::kLong));
 }
 
@@ -553,12 +555,8 @@ at::Tensor checked_positions(const at::Tensor& q,
                              const GroupPtr& group,
                              bool is_causal,
                              bool load_balance) {
-  using Signature = at::Tensor(const at::Tensor&,
-                               const at::Tensor&,
-                               const at::Tensor&,
-                               c10::string_view,
-                               bool,
-                               bool);
+  using Signature = at::Tensor(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view, bool, bool);
   static const auto op = op_named<Signature>("torch_mp::context_part_positions");
   return op.call(q, k, v, group_name(group), is_causal, load_balance);
 }

@@ -297,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor> moe_op(const at::Tensor& x,
   return moe_forward(x,
                      {router_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias},
                      options,
-                     group.empty() ? nullptr : group_named(group));
+                     group_named_or_none(group));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 
 #include "torch_mp/collectives.h"
@@ -164,9 +165,21 @@ void check_parallel_self_attention(int64_t hidden_size,
   const char* what =
       "ParallelSelfAttention configuration [hidden_size, num_heads, bias, dropout (bits), "
       "sequence_parallel, context_parallel, context_method, load_balance]";
-  comm::check_same_across_ranks(configuration, group, what);
-  if (context_group) {
-    comm::check_same_across_ranks(configuration, context_group, what);
+  // Over both groups before raising: a tensor rank that raised at the first would leave its
+  // context peers waiting in the second.
+  std::exception_ptr failure;
+  for (const auto& over : {group, context_group}) {
+    if (!over) {
+      continue;
+    }
+    try {
+      comm::check_same_across_ranks(configuration, over, what);
+    } catch (...) {
+      failure = failure ? failure : std::current_exception();
+    }
+  }
+  if (failure) {
+    std::rethrow_exception(failure);
   }
   check_non_negative(hidden_size, "ParallelSelfAttention: hidden_size");
   TORCH_CHECK(num_heads > 0 && hidden_size % num_heads == 0,
@@ -372,11 +385,6 @@ torch::nn::MultiheadAttention ParallelSelfAttentionImpl::to_dense() const {
 
 namespace {
 
-// The operators' context group: "" for none.
-GroupPtr context_group_named(c10::string_view name) {
-  return name.empty() ? nullptr : group_named(name);
-}
-
 at::Tensor attention_heads_op(const at::Tensor& qkv,
                               int64_t num_heads,
                               const std::optional<at::Tensor>& attn_mask,
@@ -394,7 +402,7 @@ at::Tensor attention_heads_op(const at::Tensor& qkv,
                          is_causal,
                          dropout_p,
                          recompute_core,
-                         context_group_named(context_group),
+                         group_named_or_none(context_group),
                          std::string(context_method),
                          load_balance);
 }
@@ -422,7 +430,7 @@ at::Tensor parallel_self_attention_op(const at::Tensor& x,
                            .recompute_core(recompute_core)
                            .group(group_named(group))
                            .context_parallel(!context_group.empty())
-                           .context_group(context_group_named(context_group))
+                           .context_group(group_named_or_none(context_group))
                            .context_method(std::string(context_method))
                            .load_balance(load_balance);
   return parallel_self_attention(

@@ -375,11 +375,10 @@ at::Tensor cross_entropy(const at::Tensor& logits,
   auto sum = losses.sum();
   auto count = valid.sum().to(losses.scalar_type());
   if (context_group && context_group->getSize() > 1) {
-    // Over the context group's tokens, one all-reduce forward and, as its adjoint, one
-    // backward (reduce_from_tp's forward, copy_to_tp's backward).
-    const auto both =
-        copy_to_tp(reduce_from_tp(at::stack({sum, count}), context_group), context_group);
-    sum = both[0];
+    // Over the context group's tokens: one all-reduce of [sum, count] forward
+    // (reduce_from_tp's), and of the sum's gradient backward (copy_to_tp's), its adjoint.
+    const auto both = reduce_from_tp(at::stack({sum, count}), context_group);
+    sum = copy_to_tp(both[0], context_group);
     count = both[1].detach();
   }
   return (kind == at::Reduction::Sum ? sum : sum / count).to(logits.scalar_type());
@@ -450,7 +449,7 @@ at::Tensor vocab_parallel_cross_entropy_op(const at::Tensor& logits,
                                       label_smoothing,
                                       std::string(reduction),
                                       vocab_size,
-                                      context_group.empty() ? nullptr : group_named(context_group));
+                                      group_named_or_none(context_group));
 }
 
 }  // namespace

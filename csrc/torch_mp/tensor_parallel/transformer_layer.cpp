@@ -365,21 +365,20 @@ at::Tensor parallel_transformer_layer_op(const at::Tensor& x,
                                          c10::string_view context_method,
                                          bool load_balance) {
   const auto group = group_named(group_name);
-  const auto options =
-      ParallelTransformerLayerOptions(
-          qkv_weight.size(1), num_heads, fc1_weight.size(0) * group->getSize())
-          .dropout(dropout)
-          .activation(std::string(activation))
-          .layer_norm_eps(layer_norm_eps)
-          .norm_first(norm_first)
-          .bias(qkv_bias.has_value())
-          .sequence_parallel(sequence_parallel)
-          .recompute(std::string(recompute))
-          .group(group)
-          .context_parallel(!context_group.empty())
-          .context_group(context_group.empty() ? nullptr : group_named(context_group))
-          .context_method(std::string(context_method))
-          .load_balance(load_balance);
+  const auto options = ParallelTransformerLayerOptions(
+                           qkv_weight.size(1), num_heads, fc1_weight.size(0) * group->getSize())
+                           .dropout(dropout)
+                           .activation(std::string(activation))
+                           .layer_norm_eps(layer_norm_eps)
+                           .norm_first(norm_first)
+                           .bias(qkv_bias.has_value())
+                           .sequence_parallel(sequence_parallel)
+                           .recompute(std::string(recompute))
+                           .group(group)
+                           .context_parallel(!context_group.empty())
+                           .context_group(group_named_or_none(context_group))
+                           .context_method(std::string(context_method))
+                           .load_balance(load_balance);
   const TransformerLayerParameters parameters{norm1_weight,
                                               norm1_bias,
                                               {qkv_weight, qkv_bias, proj_weight, proj_bias},
