@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_mp import _C
+from torch_mp import mesh as _mesh_module
 from torch_mp.mesh import Mesh, get_mesh
 
 
@@ -57,6 +58,13 @@ class DataParallel(nn.Module):
             accumulate in fp32, not in 16 bits), and reduce-scatter them as
             ``shard_gradients`` does (which it implies).
 
+    Expert parallelism (:mod:`torch_mp.moe`): the parameters whose layout is sharded over the
+    mesh's ``ep_group`` (a mixture of experts' experts, which differ between its ranks) start
+    from rank 0 of ``mesh.expert_dp_group`` and are reduced over it, divided by the data group's
+    size: each rank's expert gradients already sum its expert group's tokens, so that is the
+    average over every data rank, as the other parameters get. ``shard_gradients`` does not
+    take them yet.
+
     Raises:
         RuntimeError: On every rank, if the ranks' parameters differ in number, shape or dtype.
     """
@@ -79,6 +87,11 @@ class DataParallel(nn.Module):
             raise ValueError("DataParallel: pass group= or mesh=, not both")
         if group is None:
             group = (mesh or get_mesh()).dp_cp_group
+        # The mesh's expert and expert-data groups, for the experts' parameters (if any).
+        experts = mesh or _mesh_module._default_mesh
+        expert_names = ("", "")
+        if experts is not None and experts.ep_group is not None:
+            expert_names = (experts.ep_group.group_name, experts.expert_dp_group.group_name)
         self.module = module
         self.group = group
         self.require_backward_grad_sync = True
@@ -90,6 +103,13 @@ class DataParallel(nn.Module):
                     "gradient_as_bucket_view"
                 )
             _refuse_plain_optimizers()
+            for p in module.parameters():
+                if _C.data_parallel.is_expert_parameter(p, expert_names[0]):
+                    raise ValueError(
+                        "DataParallel: shard_gradients (or grad_dtype) does not take a mixture "
+                        f"of experts' expert parameters yet (a parameter of shape "
+                        f"{tuple(p.shape)} is sharded over the expert group)"
+                    )
             self._sync = _C.data_parallel.ShardedGradientSync(
                 list(module.parameters()),
                 list(module.buffers()),
@@ -109,6 +129,7 @@ class DataParallel(nn.Module):
             gradient_as_bucket_view,
             broadcast_buffers,
             comm_hook or "none",
+            *expert_names,
         )
 
     def __deepcopy__(self, memo):

@@ -25,6 +25,13 @@ GroupPtr resolve_optional(const std::optional<std::string>& name) {
 void bind_data_parallel(py::module_& parent) {
   using namespace torch_mp::data_parallel;
   auto m = parent.def_submodule("data_parallel", "Data-parallel gradient synchronisation");
+  m.def(
+      "is_expert_parameter",
+      [](const at::Tensor& parameter, const std::string& expert_group) {
+        return is_expert_parameter(parameter, group_named_or_none(expert_group));
+      },
+      py::arg("parameter"),
+      py::arg("expert_group"));
   py::class_<GradientSync>(m, "GradientSync", "Bucketed, overlapped gradient averaging.")
       .def(py::init([](std::vector<at::Tensor> parameters,
                        std::vector<at::Tensor> buffers,
@@ -32,7 +39,9 @@ void bind_data_parallel(py::module_& parent) {
                        double bucket_cap_mb,
                        bool gradient_as_bucket_view,
                        bool broadcast_buffers,
-                       const std::string& comm_hook) {
+                       const std::string& comm_hook,
+                       const std::string& expert_group,
+                       const std::string& expert_data_group) {
              return std::make_unique<GradientSync>(
                  std::move(parameters),
                  std::move(buffers),
@@ -41,7 +50,9 @@ void bind_data_parallel(py::module_& parent) {
                      .bucket_cap_mb(bucket_cap_mb)
                      .gradient_as_bucket_view(gradient_as_bucket_view)
                      .broadcast_buffers(broadcast_buffers)
-                     .comm_hook(parse_comm_hook(comm_hook)));
+                     .comm_hook(parse_comm_hook(comm_hook))
+                     .expert_group(group_named_or_none(expert_group))
+                     .expert_data_group(group_named_or_none(expert_data_group)));
            }),
            py::arg("parameters"),
            py::arg("buffers"),
@@ -50,6 +61,8 @@ void bind_data_parallel(py::module_& parent) {
            py::arg("gradient_as_bucket_view"),
            py::arg("broadcast_buffers"),
            py::arg("comm_hook"),
+           py::arg("expert_group") = "",
+           py::arg("expert_data_group") = "",
            ReleaseGil())
       .def("prepare_for_forward", &GradientSync::prepare_for_forward, ReleaseGil())
       .def("prepare_for_backward", &GradientSync::prepare_for_backward, ReleaseGil());

@@ -35,16 +35,21 @@ void bind_optim(py::module_& parent) {
       .def(py::init([](std::vector<at::Tensor> parameters,
                        const std::string& group,
                        double bucket_cap_mb,
-                       std::optional<at::ScalarType> master_dtype) {
+                       std::optional<at::ScalarType> master_dtype,
+                       const std::string& expert_group) {
              return std::make_unique<ParameterShards>(
                  std::move(parameters),
                  resolve(group),
-                 ParameterShardsOptions().bucket_cap_mb(bucket_cap_mb).master_dtype(master_dtype));
+                 ParameterShardsOptions()
+                     .bucket_cap_mb(bucket_cap_mb)
+                     .master_dtype(master_dtype)
+                     .expert_group(group_named_or_none(expert_group)));
            }),
            py::arg("parameters"),
            py::arg("group"),
            py::arg("bucket_cap_mb"),
            py::arg("master_dtype"),
+           py::arg("expert_group") = "",
            ReleaseGil())
       .def_property_readonly("shards", &ParameterShards::shards)
       .def_property_readonly("pieces",

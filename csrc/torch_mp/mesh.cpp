@@ -333,6 +333,11 @@ std::shared_ptr<Mesh> get_mesh() {
   return default_mesh;
 }
 
+std::shared_ptr<Mesh> find_mesh() {
+  std::lock_guard<std::mutex> lock(default_mesh_mutex);
+  return default_mesh;
+}
+
 void set_mesh(std::shared_ptr<Mesh> mesh) {
   std::lock_guard<std::mutex> lock(default_mesh_mutex);
   default_mesh = std::move(mesh);

@@ -159,6 +159,9 @@ std::shared_ptr<Mesh> init(const InitOptions& options = {});
 /// The default mesh (set by `init` or `set_mesh`); raises if there is none.
 std::shared_ptr<Mesh> get_mesh();
 
+/// The default mesh, or null if there is none.
+std::shared_ptr<Mesh> find_mesh();
+
 /// Makes `mesh` the default mesh (nullptr clears it).
 void set_mesh(std::shared_ptr<Mesh> mesh);
 

@@ -18,6 +18,7 @@
 #include "tensor_parallel_fixture.h"
 #include "thread_world.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/data_parallel/data_parallel.h"
 #include "torch_mp/moe/dispatch.h"
 
 namespace torch_mp::moe {
@@ -102,6 +103,43 @@ INSTANTIATE_TEST_SUITE_P(Layouts,
                            return "ep" + std::to_string(std::get<0>(info.param)) +
                                   (std::get<1>(info.param) ? "_capacity" : "_dropless");
                          });
+
+TEST(ExpertParallel, DataParallelReducesExpertGradientsOverTheExpertDataGroup) {
+  // dp 4, ep 2: experts reduced over [0 2] and [1 3], divided by 4; the router over all four.
+  auto options = testing::test_options(1);
+  testing::run_on_mesh(4, options.ep(2), [](const Mesh& mesh) {
+    auto reference = seeded_dense(std::nullopt);
+    auto moe = MoEImpl::from_dense(reference, mesh.ep_group);
+    DataParallel wrapped(moe.ptr(),
+                         DataParallelOptions()
+                             .group(mesh.dp_cp_group)
+                             .expert_group(mesh.ep_group)
+                             .expert_data_group(mesh.expert_dp_group));
+    const int64_t rank = mesh.rank, local = kExperts / 2, first = mesh.ep_rank() * local;
+    // Not overwritten by the data group's rank 0, which holds other experts.
+    ASSERT_TRUE(
+        moe->experts->fc1_weight.equal(reference->experts->fc1_weight.narrow(0, first, local)));
+    at::Tensor total;
+    for (int64_t r = 0; r < 4; ++r) {
+      const auto [y, aux] = reference->forward(tokens_of(r));
+      const auto loss = ((y * upstream_of(r)).sum() + aux) / 4;
+      total = total.defined() ? total + loss : loss;
+    }
+    total.backward();
+    wrapped->prepare_for_forward();
+    const auto [y, aux] = moe->forward(tokens_of(rank));
+    wrapped->prepare_for_backward();
+    ((y * upstream_of(rank)).sum() + aux).backward();
+    EXPECT_TRUE(testing::all_close(
+        moe->router->weight.grad(), reference->router->weight.grad(), 1e-5, 1e-5))
+        << "router grad";
+    EXPECT_TRUE(testing::all_close(moe->experts->fc2_weight.grad(),
+                                   reference->experts->fc2_weight.grad().narrow(0, first, local),
+                                   1e-5,
+                                   1e-5))
+        << "fc2 grad";
+  });
+}
 
 TEST(AllToAllRows, SendsRowsByCountsAndTheGradientBack) {
   auto options = testing::test_options(1);

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from torch_mp import _C
+from torch_mp import mesh as _mesh_module
 from torch_mp.mesh import Mesh, get_mesh
 
 
@@ -79,8 +80,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         groups = [dict(g, params=_as_list(g["params"])) for g in groups]
         parameters = [p for g in groups for p in g["params"]]
         self.group = group
+        # The mesh's expert group: its experts' parameters are refused (not sharded yet).
+        expert_group = getattr(mesh or _mesh_module._default_mesh, "ep_group", None)
         self._shards = _C.optim.ParameterShards(
-            parameters, group.group_name, bucket_cap_mb, master_dtype
+            parameters,
+            group.group_name,
+            bucket_cap_mb,
+            master_dtype,
+            "" if expert_group is None else expert_group.group_name,
         )
         group_of = [i for i, g in enumerate(groups) for _ in g["params"]]
         local_groups = [dict(g, params=[]) for g in groups]

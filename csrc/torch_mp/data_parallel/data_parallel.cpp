@@ -11,11 +11,21 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
   if (!options.group()) {
     options.group(get_mesh()->dp_cp_group);
   }
+  if (const auto mesh = find_mesh(); mesh && !options.expert_group()) {
+    options.expert_group(mesh->ep_group).expert_data_group(mesh->expert_dp_group);
+  }
   register_module("module", module);
   if (options.shard_gradients() || options.grad_dtype()) {
     TORCH_CHECK(options.comm_hook() == CommHook::kNone && !options.gradient_as_bucket_view(),
                 "DataParallel: shard_gradients (or grad_dtype) takes no comm_hook and no "
                 "gradient_as_bucket_view");
+    for (const auto& p : module->parameters()) {
+      TORCH_CHECK(!is_expert_parameter(p, options.expert_group()),
+                  "DataParallel: shard_gradients (or grad_dtype) does not take a mixture of "
+                  "experts' expert parameters yet (a parameter of shape ",
+                  p.sizes(),
+                  " is sharded over the expert group)");
+    }
     sharded_ = ShardedGradientSync::create(module->parameters(),
                                            module->buffers(),
                                            options.group(),
@@ -33,7 +43,9 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
                                          .bucket_cap_mb(options.bucket_cap_mb())
                                          .gradient_as_bucket_view(options.gradient_as_bucket_view())
                                          .comm_hook(options.comm_hook())
-                                         .broadcast_buffers(options.broadcast_buffers()));
+                                         .broadcast_buffers(options.broadcast_buffers())
+                                         .expert_group(options.expert_group())
+                                         .expert_data_group(options.expert_data_group()));
 }
 
 void DataParallelImpl::prepare_for_forward() {

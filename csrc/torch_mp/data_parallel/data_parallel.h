@@ -45,6 +45,11 @@ struct DataParallelOptions {
   /// Accumulate every backward's gradients into main gradients of this dtype (fp32 for 16-bit
   /// parameters) and reduce in it; implies shard_gradients (the DistributedOptimizer reads them).
   TORCH_ARG(std::optional<at::ScalarType>, grad_dtype) = std::nullopt;
+  /// Expert parallelism: the experts' parameters (sharded over `expert_group`) reduced over
+  /// `expert_data_group` instead (GradientSyncOptions::expert_group); the default mesh's
+  /// ep_group and expert_dp_group when unset and there is a default mesh.
+  TORCH_ARG(GroupPtr, expert_group) = {};
+  TORCH_ARG(GroupPtr, expert_data_group) = {};
 };
 
 /// Wraps a module so that its gradients are averaged over the data-parallel group.

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/layout.h"
 
 namespace torch_mp::data_parallel {
 namespace {
@@ -37,7 +38,64 @@ class CompressedAllReduce : public c10d::CppCommHookInterface<GroupPtr> {
   at::ScalarType dtype_;
 };
 
+// All-reduces a bucket and divides it by `divisor` (the whole data group's size, for the experts'
+// gradients reduced over the expert-data group).
+class DividedAllReduce : public c10d::CppCommHookInterface<GroupPtr> {
+ public:
+  DividedAllReduce(GroupPtr group, int64_t divisor)
+      : c10d::CppCommHookInterface<GroupPtr>(std::move(group)), divisor_(divisor) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor buffer = bucket.getBufferRef();
+    std::vector<at::Tensor> tensors{buffer};
+    auto reduced = state_->allreduce(tensors)->getFuture();
+    const auto divisor = divisor_;
+    return reduced->then(
+        [buffer, divisor](c10::ivalue::Future&) {
+          buffer.div_(divisor);
+          return c10::IValue(buffer);
+        },
+        c10::TensorType::get());
+  }
+
+ private:
+  int64_t divisor_;
+};
+
+std::shared_ptr<c10d::Reducer> make_reducer(const std::vector<at::Tensor>& parameters,
+                                            const GroupPtr& group,
+                                            const GradientSyncOptions& options) {
+  const auto bucket_bytes = static_cast<int64_t>(options.bucket_cap_mb() * (1 << 20));
+  // As DDP does: one bucket for the first step (the order in which gradients become ready is
+  // not known yet), rebuilt in that order after it.
+  auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
+      parameters, {std::numeric_limits<size_t>::max()}, std::vector<bool>(parameters.size()));
+  std::reverse(buckets.begin(), buckets.end());
+  std::unordered_map<size_t, std::string> names;
+  return std::make_shared<c10d::Reducer>(
+      parameters,
+      std::move(buckets),
+      group,
+      std::vector<bool>(parameters.size()),
+      bucket_bytes,
+      /*find_unused_parameters=*/false,
+      options.gradient_as_bucket_view(),
+      std::move(names),
+      /*first_bucket_bytes_cap=*/std::min<int64_t>(bucket_bytes, 1 << 20),
+      /*skip_all_reduce_unused_params=*/false,
+      /*use_python_reducer=*/false,
+      /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
+}
+
 }  // namespace
+
+bool is_expert_parameter(const at::Tensor& parameter, const GroupPtr& expert_group) {
+  if (!expert_group || expert_group->getSize() == 1) {
+    return false;
+  }
+  const auto layout = layout_of(parameter);
+  return layout && layout->shard_dim && layout->group == expert_group;
+}
 
 CommHook parse_comm_hook(const std::string& name) {
   if (name == "none" || name.empty()) {
@@ -61,17 +119,41 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
       group_(std::move(group)),
       broadcast_buffers_(options.broadcast_buffers()) {
   TORCH_CHECK(group_, "DataParallel: no data-parallel group");
-  // Every rank starts from rank 0's parameters and buffers.
-  broadcast_from_first_rank(parameters, group_);
-  broadcast_from_first_rank(buffers_, group_);
   TORCH_CHECK(options.bucket_cap_mb() > 0,
               "DataParallel: bucket_cap_mb must be positive, got ",
               options.bucket_cap_mb());
+  std::vector<at::Tensor> experts;  // the experts' parameters, reduced over their own group
+  std::vector<at::Tensor> shared;   // the others
   for (auto& p : parameters) {
-    if (p.requires_grad()) {
-      parameters_.push_back(p);
-    }
+    (is_expert_parameter(p, options.expert_group()) ? experts : shared).push_back(p);
   }
+  const auto& expert_data = options.expert_data_group();
+  TORCH_CHECK(experts.empty() || expert_data,
+              "DataParallel: expert parameters (sharded over the expert group) need an "
+              "expert_data_group to reduce over");
+  // Every rank starts from rank 0's parameters and buffers (the experts from that of the ranks
+  // holding the same experts).
+  broadcast_from_first_rank(shared, group_);
+  broadcast_from_first_rank(buffers_, group_);
+  if (expert_data) {
+    comm::check_same_across_ranks({static_cast<int64_t>(experts.size())},
+                                  group_,
+                                  "DataParallel: the number of expert parameters");
+    broadcast_from_first_rank(experts, expert_data);
+  }
+  const auto requiring_grad = [](const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> out;
+    for (const auto& t : tensors) {
+      if (t.requires_grad()) {
+        out.push_back(t);
+      }
+    }
+    return out;
+  };
+  shared = requiring_grad(shared);
+  experts = requiring_grad(experts);
+  parameters_ = shared;
+  parameters_.insert(parameters_.end(), experts.begin(), experts.end());
   comm::check_same_across_ranks({static_cast<int64_t>(parameters_.size())},
                                 group_,
                                 "DataParallel: the number of parameters that require grad");
@@ -79,35 +161,26 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
   // Shapes, dtypes and layouts of every parameter, compared across the group (raises on all).
   c10d::verify_params_across_processes(group_, parameters_, std::nullopt);
 
-  const auto bucket_bytes = static_cast<int64_t>(options.bucket_cap_mb() * (1 << 20));
-  // As DDP does: one bucket for the first step (the order in which gradients become ready is
-  // not known yet), rebuilt in that order after it.
-  auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(
-      parameters_, {std::numeric_limits<size_t>::max()}, std::vector<bool>(parameters_.size()));
-  std::reverse(buckets.begin(), buckets.end());
-  std::unordered_map<size_t, std::string> names;
-  reducer_ = std::make_shared<c10d::Reducer>(
-      parameters_,
-      std::move(buckets),
-      group_,
-      std::vector<bool>(parameters_.size()),
-      bucket_bytes,
-      /*find_unused_parameters=*/false,
-      options.gradient_as_bucket_view(),
-      std::move(names),
-      /*first_bucket_bytes_cap=*/std::min<int64_t>(bucket_bytes, 1 << 20),
-      /*skip_all_reduce_unused_params=*/false,
-      /*use_python_reducer=*/false,
-      /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
-  switch (options.comm_hook()) {
-    case CommHook::kNone:
-      break;
-    case CommHook::kFp16:
-      reducer_->register_comm_hook(std::make_unique<CompressedAllReduce>(group_, at::kHalf));
-      break;
-    case CommHook::kBf16:
-      reducer_->register_comm_hook(std::make_unique<CompressedAllReduce>(group_, at::kBFloat16));
-      break;
+  if (!shared.empty()) {
+    auto reducer = make_reducer(shared, group_, options);
+    switch (options.comm_hook()) {
+      case CommHook::kNone:
+        break;
+      case CommHook::kFp16:
+        reducer->register_comm_hook(std::make_unique<CompressedAllReduce>(group_, at::kHalf));
+        break;
+      case CommHook::kBf16:
+        reducer->register_comm_hook(std::make_unique<CompressedAllReduce>(group_, at::kBFloat16));
+        break;
+    }
+    reducers_.push_back(std::move(reducer));
+  }
+  if (!experts.empty()) {
+    TORCH_CHECK(options.comm_hook() == CommHook::kNone,
+                "DataParallel: a comm_hook does not take expert parameters yet");
+    auto reducer = make_reducer(experts, expert_data, options);
+    reducer->register_comm_hook(std::make_unique<DividedAllReduce>(expert_data, group_->getSize()));
+    reducers_.push_back(std::move(reducer));
   }
 }
 
@@ -117,7 +190,9 @@ void GradientSync::prepare_for_forward() {
   if (!at::GradMode::is_enabled()) {
     return;
   }
-  reducer_->rebuild_buckets();
+  for (const auto& reducer : reducers_) {
+    reducer->rebuild_buckets();
+  }
   if (buffers_stale_ && broadcast_buffers_ && !buffers_.empty()) {
     broadcast_from_first_rank(buffers_, group_);
   }
@@ -125,7 +200,9 @@ void GradientSync::prepare_for_forward() {
 }
 
 void GradientSync::prepare_for_backward() {
-  reducer_->prepare_for_backward({});
+  for (const auto& reducer : reducers_) {
+    reducer->prepare_for_backward({});
+  }
   buffers_stale_ = true;
 }
 

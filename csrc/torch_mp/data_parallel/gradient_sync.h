@@ -43,6 +43,15 @@ struct GradientSyncOptions {
   TORCH_ARG(CommHook, comm_hook) = CommHook::kNone;
   /// Copy rank 0's buffers to every rank before the first forward after each synced backward.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Expert parallelism (moe/): the parameters sharded over this group (their layout says so)
+  /// are a mixture of experts' experts, which differ between its ranks. They start from the
+  /// values of rank 0 of `expert_data_group` and are reduced over it, divided by the size of
+  /// `group`, not of it: each rank's expert gradients already sum the tokens of its expert
+  /// group, so that is the average over every data rank, as the other parameters get. Unset
+  /// (or a group of one rank): no parameter is treated so.
+  TORCH_ARG(GroupPtr, expert_group) = {};
+  /// The ranks holding the same experts (Mesh::expert_dp_group); needed with expert_group.
+  TORCH_ARG(GroupPtr, expert_data_group) = {};
 };
 
 /// Averages the gradients of `parameters` over a data-parallel group, one bucketed all-reduce
@@ -77,8 +86,13 @@ class GradientSync {
   GroupPtr group_;
   bool broadcast_buffers_;
   bool buffers_stale_ = false;  // a synced backward ran since the buffers were broadcast
-  std::shared_ptr<c10d::Reducer> reducer_;
+  // One reducer over `group`, and one over the expert-data group for the experts' parameters.
+  std::vector<std::shared_ptr<c10d::Reducer>> reducers_;
 };
+
+/// Whether `parameter`'s layout says it is sharded over `expert_group` (an expert's; see
+/// GradientSyncOptions::expert_group). False without a group, or for a group of one rank.
+bool is_expert_parameter(const at::Tensor& parameter, const GroupPtr& expert_group);
 
 /// Copies group rank 0's values of `tensors` to every rank of `group`, in place (coalesced into
 /// large messages). Raises if the ranks' tensors differ in number or shape.

@@ -32,6 +32,8 @@ at::Tensor run_expert(const MoEParameters& p,
 }
 
 // The local experts, one after another, over `rows` grouped by expert (`counts` rows each).
+// An expert given no rows runs too: its parameters then get a zero gradient, not none, so that
+// a data-parallel reduction finds every gradient it waits for.
 at::Tensor run_experts(const MoEParameters& p,
                        const at::Tensor& rows,
                        const std::vector<int64_t>& counts,
@@ -39,14 +41,9 @@ at::Tensor run_experts(const MoEParameters& p,
   std::vector<at::Tensor> outputs;
   int64_t first = 0;
   for (size_t i = 0; i < counts.size(); ++i) {
-    if (counts[i] > 0) {
-      outputs.push_back(
-          run_expert(p, static_cast<int64_t>(i), rows.narrow(0, first, counts[i]), activation));
-    }
+    outputs.push_back(
+        run_expert(p, static_cast<int64_t>(i), rows.narrow(0, first, counts[i]), activation));
     first += counts[i];
-  }
-  if (outputs.empty()) {
-    return at::zeros({0, p.fc2_weight.size(1)}, rows.options());
   }
   return at::cat(outputs);
 }

@@ -7,6 +7,7 @@ namespace torch_mp::optim {
 void DistributedOptimizer::build(const DistributedOptimizerOptions& options,
                                  const MakeLocal& make_local) {
   GroupPtr group = options.group() ? options.group() : get_mesh()->dp_cp_group;
+  const auto mesh = find_mesh();
   std::vector<at::Tensor> parameters;
   std::vector<size_t> group_of;  // each parameter's param group
   for (size_t g = 0; g < param_groups().size(); ++g) {
@@ -19,7 +20,8 @@ void DistributedOptimizer::build(const DistributedOptimizerOptions& options,
                                               std::move(group),
                                               ParameterShardsOptions()
                                                   .bucket_cap_mb(options.bucket_cap_mb())
-                                                  .master_dtype(options.master_dtype()));
+                                                  .master_dtype(options.master_dtype())
+                                                  .expert_group(mesh ? mesh->ep_group : nullptr));
   std::vector<std::vector<at::Tensor>> local_params(param_groups().size());
   for (size_t s = 0; s < shards_->pieces().size(); ++s) {
     local_params[group_of[shards_->pieces()[s].parameter]].push_back(shards_->shards()[s]);

@@ -5,6 +5,7 @@
 
 #include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/data_parallel/gradient_sync.h"
 #include "torch_mp/data_parallel/sharded_gradient_sync.h"
 
 namespace torch_mp::optim {
@@ -54,6 +55,14 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
       group_(std::move(group)),
       master_dtype_(options.master_dtype()) {
   TORCH_CHECK(group_, "DistributedOptimizer: no data-parallel group");
+  // (A refusal every rank meets alike: the ranks of the group hold the same module.)
+  for (const auto& p : parameters_) {
+    TORCH_CHECK(!data_parallel::is_expert_parameter(p, options.expert_group()),
+                "DistributedOptimizer: a mixture of experts' expert parameters (shape ",
+                p.sizes(),
+                ", sharded over the expert group) are not sharded by the distributed "
+                "optimizer yet; step them with a plain optimizer");
+  }
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DistributedOptimizer: the parameters of the data-parallel ranks");
   gradients_ = sharding_engine(parameters_, group_);

@@ -35,6 +35,9 @@ struct ParameterShardsOptions {
   /// gradients are converted to it, and the stepped values written back rounded. None (or the
   /// parameters' own dtype): the shards are views of the parameters.
   TORCH_ARG(std::optional<at::ScalarType>, master_dtype) = std::nullopt;
+  /// The mesh's expert group: parameters sharded over it (a mixture of experts' experts) are
+  /// refused, not sharded (yet).
+  TORCH_ARG(GroupPtr, expert_group) = {};
 };
 
 using data_parallel::ShardPiece;
