@@ -69,7 +69,7 @@ void bind_checkpoint(py::module_& parent) {
       py::arg("tensor"),
       py::arg("parameter"),
       py::arg("default_group"));
-  m.def("shard_file", &ckpt::shard_file, py::arg("pp"), py::arg("tp"));
+  m.def("shard_file", &ckpt::shard_file, py::arg("pp"), py::arg("tp"), py::arg("expert_place") = 0);
   m.def(
       "save",
       [](const std::string& path,

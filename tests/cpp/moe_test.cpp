@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -17,6 +18,7 @@
 #include "tensor_checks.h"
 #include "tensor_parallel_fixture.h"
 #include "thread_world.h"
+#include "torch_mp/checkpoint/checkpoint.h"
 #include "torch_mp/comm.h"
 #include "torch_mp/data_parallel/data_parallel.h"
 #include "torch_mp/moe/dispatch.h"
@@ -139,6 +141,28 @@ TEST(ExpertParallel, DataParallelReducesExpertGradientsOverTheExpertDataGroup) {
                                    1e-5))
         << "fc2 grad";
   });
+}
+
+TEST(ExpertParallel, ACheckpointSavedAtEp2LoadsAtEp1And4) {
+  // Saved on 4 ranks at ep 2: places 0 and 1 of the data group write (the experts of place 1
+  // into a file of their own), places 2 and 3 are replicas.
+  const auto path = ::testing::TempDir() + "/torch_mp_moe_ckpt";
+  std::filesystem::remove_all(path);
+  testing::run_on_mesh(4, testing::test_options(1).ep(2), [&](const Mesh& mesh) {
+    auto moe = MoEImpl::from_dense(seeded_dense(std::nullopt), mesh.ep_group);
+    checkpoint::save(path, {{moe.ptr()}}, nullptr, {}, std::make_shared<Mesh>(mesh));
+  });
+  for (const int ep : {1, 4}) {
+    testing::run_on_mesh(ep, testing::test_options(1).ep(ep), [&](const Mesh& mesh) {
+      MoE moe(dense::MoEOptions(kHidden, kFfn, kExperts), mesh.ep_group);
+      checkpoint::load(path, {{moe.ptr()}}, nullptr, std::make_shared<Mesh>(mesh));
+      const auto reference = seeded_dense(std::nullopt);
+      const auto back = moe->to_dense();
+      EXPECT_TRUE(back->experts->fc1_weight.equal(reference->experts->fc1_weight)) << "ep " << ep;
+      EXPECT_TRUE(back->experts->fc2_weight.equal(reference->experts->fc2_weight)) << "ep " << ep;
+      EXPECT_TRUE(back->router->weight.equal(reference->router->weight)) << "ep " << ep;
+    });
+  }
 }
 
 TEST(AllToAllRows, SendsRowsByCountsAndTheGradientBack) {

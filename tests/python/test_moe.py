@@ -235,3 +235,50 @@ def test_the_sharding_memory_savers_refuse_expert_parameters_for_now():
     for errors in get_world(2).run(_sharded_refusals):
         assert "does not take a mixture of experts' expert parameters yet" in errors["zero2"]
         assert "are not sharded by the distributed optimizer yet" in errors["zero1"]
+
+
+def _moe_state(moe, optimizer) -> dict[str, torch.Tensor]:
+    """The dense module's parameters and AdamW's exp_avg of them, gathered (a collective)."""
+    state = {f"model/{k}": v for k, v in moe.to_dense().state_dict().items()}
+    shadow = copy.deepcopy(moe)
+    with torch.no_grad():
+        for mine, p in zip(shadow.parameters(), moe.parameters(), strict=True):
+            mine.copy_(optimizer.state[p]["exp_avg"])
+    state.update({f"exp_avg/{k}": v for k, v in shadow.to_dense().state_dict().items()})
+    return state
+
+
+def _save_after_a_step(ep: int, path: str) -> dict[str, torch.Tensor]:
+    use_mesh(1, 1, 1, ep)
+    torch.manual_seed(0)
+    moe = torch_mp.moe.MoE.from_dense(dense.MoE(HIDDEN, FFN, EXPERTS, bias=True))
+    optimizer = torch.optim.AdamW(moe.parameters(), lr=0.1)
+    y, aux = moe(_tokens(dist.get_rank()))
+    (y.square().sum() + aux).backward()
+    optimizer.step()
+    torch_mp.checkpoint.save(path, moe, optimizer)
+    return _moe_state(moe, optimizer)
+
+
+def _load(ep: int, path: str) -> dict[str, torch.Tensor]:
+    use_mesh(1, 1, 1, ep)
+    torch.manual_seed(7)  # other values until loaded
+    moe = torch_mp.moe.MoE(HIDDEN, FFN, EXPERTS, bias=True)
+    optimizer = torch.optim.AdamW(moe.parameters(), lr=0.1)
+    torch_mp.checkpoint.load(path, moe, optimizer)
+    return _moe_state(moe, optimizer)
+
+
+@pytest.mark.parametrize(
+    "loaded", [(1, 1), (2, 2), (4, 4), (4, 2)], ids=lambda x: f"w{x[0]}-ep{x[1]}"
+)
+def test_a_checkpoint_saved_at_ep2_loads_at_any_ep(loaded, tmp_path):
+    # Saved on 4 ranks at ep 2 (places 0 and 1 of the data group write, the others are
+    # replicas), experts in their dense names; loaded at ep 1, 2 and 4.
+    path = str(tmp_path / "moe")
+    saved = get_world(4).run(_save_after_a_step, 2, path)[0]
+    world, ep = loaded
+    for got in get_world(world).run(_load, ep, path):
+        assert got.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(got[name], value), name

@@ -190,12 +190,19 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
     """What this rank's save writes: the arguments of the core's save but the group."""
     mesh = mesh or get_mesh()
     shards: list = []
+    over_experts: list[bool] = []  # each shard's: a mixture of experts' tensor (expert group)
     values: dict[str, Any] = {}
     problems: list[str] = []
     state = _state_by_parameter(optimizer)
+
+    def add(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
+        shards.append(_shard(name, tensor, like, mesh))
+        over_experts.append(_over_expert_group(like, mesh))
+
     with _collected(problems):
         named = _all_dense_tensors(model, rename)
-        shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
+        for name, tensor, _ in named:
+            add(MODEL + name, tensor, tensor)
         if optimizer is not None:
             _check_optimizer_named(optimizer, named)
             for name, p, is_parameter in named:
@@ -203,7 +210,7 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
                     full = f"optim/{name}/{key}"
                     if isinstance(value, torch.Tensor):
                         shaped = value.shape == p.shape and value.dim() > 0
-                        shards.append(_shard(full, value, p if shaped else value, mesh))
+                        add(full, value, p if shaped else value)
                     else:
                         values[full] = value
     _raise_anywhere(problems, "torch_mp.checkpoint.save failed", None)
@@ -219,13 +226,29 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
         for key, value in extra.items():
             if isinstance(key, str) and isinstance(value, (str, int, float, bool)):
                 metadata[f"extra/{key}"] = str(value)
+    # Place 0 of each (pp, tp)'s data x context group writes all it holds (its replicas hold the
+    # same); with ep > 1 places 1 .. ep - 1 write their experts into files of their own.
+    ep = mesh.ep_size
     files = [
-        _C.checkpoint.shard_file(pp, t) for pp in range(mesh.pp_size) for t in range(mesh.tp_size)
+        _C.checkpoint.shard_file(pp, t, e)
+        for pp in range(mesh.pp_size)
+        for t in range(mesh.tp_size)
+        for e in range(ep)
     ]
-    # One rank of each (pp, tp) writes: data and context replicas hold the same tensors.
-    writes = mesh.dp_rank == 0 and mesh.cp_rank == 0
-    mine = _C.checkpoint.shard_file(mesh.pp_rank, mesh.tp_rank) if writes else None
+    place = mesh.dp_rank * mesh.cp_size + mesh.cp_rank
+    mine = _C.checkpoint.shard_file(mesh.pp_rank, mesh.tp_rank, place) if place < ep else None
+    if mine is not None and place > 0:  # its experts only: the rest is place 0's
+        shards = [shard for shard, expert in zip(shards, over_experts, strict=True) if expert]
     return os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}
+
+
+def _over_expert_group(parameter: torch.Tensor, mesh: Mesh) -> bool:
+    """Whether ``parameter`` lies over the mesh's expert group (a mixture of experts' experts or
+    router): tensors that differ between the data ranks of one (pp, tp) when ep > 1."""
+    if mesh.ep_size == 1:
+        return False
+    layout = _C.layout_of(parameter)
+    return layout is not None and layout.group_name == mesh.ep_group.group_name
 
 
 def _state_by_parameter(optimizer: torch.optim.Optimizer | None) -> dict:

@@ -10,6 +10,7 @@
 
 #include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/optimizer_state.h"
+#include "torch_mp/layout.h"
 #include "torch_mp/tensor_parallel/blocks.h"
 
 namespace torch_mp::checkpoint {
@@ -118,6 +119,35 @@ std::vector<DenseTensor> dense_tensors(const torch::nn::Module& module, const Re
 
 namespace {
 
+// This rank's place in its data x context group (data rank major).
+int64_t expert_place(const Mesh& mesh) { return mesh.dp_rank() * mesh.cp_size() + mesh.cp_rank(); }
+
+// Whether `parameter` lies over the mesh's expert group (a mixture of experts' experts, or its
+// router): tensors that differ between the data ranks of one (pp, tp) when ep > 1.
+bool over_expert_group(const at::Tensor& parameter, const Mesh& mesh) {
+  const auto layout = layout_of(parameter);
+  return mesh.ep_size() > 1 && layout && layout->group == mesh.ep_group;
+}
+
+// The file this rank writes (none for a replica) and every file of the checkpoint. Place 0 of
+// each (pp, tp)'s data x context group writes everything it holds; with ep > 1 the places
+// 1 .. ep - 1 (the other ranks of its expert group) write their experts into files of their own.
+std::pair<std::optional<std::string>, std::vector<std::string>> shard_files(const Mesh& mesh) {
+  std::vector<std::string> files;
+  for (int64_t pp = 0; pp < mesh.pp_size(); ++pp) {
+    for (int64_t t = 0; t < mesh.tp_size(); ++t) {
+      for (int64_t e = 0; e < mesh.ep_size(); ++e) {
+        files.push_back(shard_file(pp, t, e));
+      }
+    }
+  }
+  const int64_t place = expert_place(mesh);
+  if (place >= mesh.ep_size()) {  // a replica of place (place mod ep)
+    return {std::nullopt, std::move(files)};
+  }
+  return {shard_file(mesh.pp_rank(), mesh.tp_rank(), place), std::move(files)};
+}
+
 // What this rank's save of `stages` and `optimizer` writes (shard_writer.h's save's arguments).
 struct SaveRequest {
   std::vector<Shard> shards;
@@ -132,10 +162,14 @@ SaveRequest save_request(const std::string& path,
                          const std::map<std::string, std::string>& extra,
                          const std::shared_ptr<Mesh>& mesh) {
   std::vector<Shard> shards;
+  std::vector<bool> over_experts;  // each shard's: a mixture of experts' tensor (expert group)
   std::vector<std::string> problems;
   collect_problems(problems, [&] {
     const auto tensors = all_dense_tensors(stages);
     shards = model_shards(tensors, *mesh);
+    for (const auto& t : tensors) {
+      over_experts.push_back(over_expert_group(t.tensor, *mesh));
+    }
     if (!optimizer) {
       return;
     }
@@ -163,11 +197,13 @@ SaveRequest save_request(const std::string& path,
       const std::string prefix = "optim/" + t.name + "/";
       for (const auto& [name, value] : state.tensors) {
         shards.push_back(shard_of(prefix + name, value, t.tensor, mesh->tp_group));
+        over_experts.push_back(over_expert_group(t.tensor, *mesh));
       }
       if (state.step) {
         shards.push_back(step_shard(prefix + "step",
                                     at::scalar_tensor(static_cast<double>(*state.step), at::kFloat),
                                     *mesh));
+        over_experts.push_back(false);
       }
     }
   });
@@ -180,17 +216,17 @@ SaveRequest save_request(const std::string& path,
   for (const auto& [key, value] : extra) {
     metadata[kExtra + key] = value;
   }
-  std::vector<std::string> files;
-  for (int64_t pp = 0; pp < mesh->pp_size(); ++pp) {
-    for (int64_t t = 0; t < mesh->tp_size(); ++t) {
-      files.push_back(shard_file(pp, t));
+  const auto [file, files] = shard_files(*mesh);
+  if (file && expert_place(*mesh) > 0) {  // this rank's experts only: the rest is place 0's
+    std::vector<Shard> experts;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      if (over_experts[i]) {
+        experts.push_back(std::move(shards[i]));
+      }
     }
+    shards = std::move(experts);
   }
-  // One rank of each (pp, tp) writes: data and context replicas hold the same tensors.
-  const auto file = mesh->dp_rank() == 0 && mesh->cp_rank() == 0
-                        ? std::optional<std::string>(shard_file(mesh->pp_rank(), mesh->tp_rank()))
-                        : std::nullopt;
-  return {std::move(shards), file, std::move(files), std::move(metadata)};
+  return {std::move(shards), file, files, std::move(metadata)};
 }
 
 // The group background saves over `mesh` use: a Gloo group over its world of their own (the

@@ -82,8 +82,9 @@ void publish(const std::string& partial,
 
 }  // namespace
 
-std::string shard_file(int64_t pp, int64_t tp) {
-  return "shard-" + std::to_string(pp) + "-" + std::to_string(tp) + ".safetensors";
+std::string shard_file(int64_t pp, int64_t tp, int64_t expert_place) {
+  return "shard-" + std::to_string(pp) + "-" + std::to_string(tp) +
+         (expert_place > 0 ? "-e" + std::to_string(expert_place) : "") + ".safetensors";
 }
 
 void save(const std::string& path,

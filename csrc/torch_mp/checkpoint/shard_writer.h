@@ -17,8 +17,11 @@ namespace torch_mp::checkpoint {
 /// tensor when it is rank 0 of the group the tensor is replicated over.
 inline bool writes(const Shard& shard) { return shard.dim.has_value() || shard.rank == 0; }
 
-/// The file name of the pipeline rank `pp`'s tensor rank `tp` in a checkpoint.
-std::string shard_file(int64_t pp, int64_t tp);
+/// The file name of the pipeline rank `pp`'s tensor rank `tp` in a checkpoint; with
+/// `expert_place` e > 0, of the file in which the data rank at place e of its data x context
+/// group writes its mixture-of-experts tensors (the experts it holds, which no other rank of
+/// that (pp, tp) writes).
+std::string shard_file(int64_t pp, int64_t tp, int64_t expert_place = 0);
 
 /// Writes the checkpoint directory `path`: this rank's `shards` into `file` (none when nullopt:
 /// a data-parallel replica), then, on rank 0 of `group`, `root_files` (name -> contents) and
