@@ -21,9 +21,11 @@ def clip_grad_norm_(
 
     The total norm is that of the dense model's gradients: sharded parameters contribute every
     rank's part, replicated ones (and parameters of plain modules) count once, the last stage's
-    copy of a tied parameter not at all, and the pipeline stages' parts are combined. Every rank
-    of the model gets the same norm and scales its gradients by the same factor. Collective over
-    the mesh's tensor and pipeline groups: call it on every rank.
+    copy of a tied parameter not at all, and the pipeline stages' parts are combined; a mixture
+    of experts' experts (sharded over the mesh's expert group, :mod:`torch_mp.moe`) are summed
+    over it, each of its ranks holding other experts. Every rank of the model gets the same norm
+    and scales its gradients by the same factor. Collective over the mesh's tensor, pipeline
+    (and expert) groups: call it on every rank.
 
     Args:
         parameters: This rank's parameters (of all its stages).
@@ -37,7 +39,7 @@ def clip_grad_norm_(
 
     Raises:
         RuntimeError: With ``error_if_nonfinite``, when the norm is NaN or infinite; when a
-            sharded parameter's group is not the mesh's tensor group.
+            sharded parameter's group is neither the mesh's tensor group nor its expert group.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -49,4 +51,5 @@ def clip_grad_norm_(
         mesh.tp_group.group_name,
         mesh.pp_group.group_name,
         error_if_nonfinite,
+        mesh.ep_group.group_name if mesh.ep_group is not None else None,
     )

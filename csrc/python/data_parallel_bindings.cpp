@@ -152,13 +152,15 @@ void bind_data_parallel(py::module_& parent) {
          double norm_type,
          const std::optional<std::string>& tp_group,
          const std::optional<std::string>& pp_group,
-         bool error_if_nonfinite) {
+         bool error_if_nonfinite,
+         const std::optional<std::string>& ep_group) {
         return clip_grad_norm_(parameters,
                                max_norm,
                                norm_type,
                                resolve_optional(tp_group),
                                resolve_optional(pp_group),
-                               error_if_nonfinite);
+                               error_if_nonfinite,
+                               resolve_optional(ep_group));
       },
       py::arg("parameters"),
       py::arg("max_norm"),
@@ -166,20 +168,26 @@ void bind_data_parallel(py::module_& parent) {
       py::arg("tp_group"),
       py::arg("pp_group"),
       py::arg("error_if_nonfinite"),
+      py::arg("ep_group") = std::nullopt,
       ReleaseGil());
   parent.def(
       "total_grad_norm",
       [](const std::vector<at::Tensor>& parameters,
          double norm_type,
          const std::optional<std::string>& tp_group,
-         const std::optional<std::string>& pp_group) {
-        return total_grad_norm(
-            parameters, norm_type, resolve_optional(tp_group), resolve_optional(pp_group));
+         const std::optional<std::string>& pp_group,
+         const std::optional<std::string>& ep_group) {
+        return total_grad_norm(parameters,
+                               norm_type,
+                               resolve_optional(tp_group),
+                               resolve_optional(pp_group),
+                               resolve_optional(ep_group));
       },
       py::arg("parameters"),
       py::arg("norm_type"),
       py::arg("tp_group"),
       py::arg("pp_group"),
+      py::arg("ep_group") = std::nullopt,
       ReleaseGil());
 }
 

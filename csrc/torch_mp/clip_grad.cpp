@@ -17,23 +17,36 @@ namespace {
 
 int64_t rank_in(const GroupPtr& group) { return group ? group->getRank() : 0; }
 
-// Whether this rank's gradient of `p` is part of the model's norm on this rank.
-bool counted_here(const at::Tensor& p, const GroupPtr& tp_group) {
+// Where this rank's gradient of a parameter enters the model's norm: not at all (a copy another
+// rank counts), in this rank's part, or in the experts' part, which is summed over the expert
+// group first (each of its ranks holds other experts).
+enum class Counted { kNo, kHere, kExpert };
+
+Counted counted(const at::Tensor& p, const GroupPtr& tp_group, const GroupPtr& ep_group) {
+  const auto first_tensor_rank = rank_in(tp_group) == 0 ? Counted::kHere : Counted::kNo;
   const auto layout = layout_of(p);
   if (!layout) {
-    return rank_in(tp_group) == 0;  // a plain module: replicated over the tensor group
+    return first_tensor_rank;  // a plain module: replicated over the tensor group
   }
   if (layout->tied_copy) {
-    return false;
+    return Counted::kNo;
+  }
+  if (ep_group && ep_group->getSize() > 1 && layout->group == ep_group) {
+    // An expert (replicated over the tensor group), or a router replicated over the experts'
+    // ranks as over the data ranks.
+    if (!layout->is_sharded()) {
+      return first_tensor_rank;
+    }
+    return rank_in(tp_group) == 0 ? Counted::kExpert : Counted::kNo;
   }
   if (!layout->is_sharded()) {
-    return rank_in(layout->group ? layout->group : tp_group) == 0;
+    return rank_in(layout->group ? layout->group : tp_group) == 0 ? Counted::kHere : Counted::kNo;
   }
   TORCH_CHECK(!layout->group || layout->group->getSize() == 1 || layout->group == tp_group,
               "torch_mp.clip_grad_norm_: a parameter of shape ",
               p.sizes(),
-              " is sharded over a group other than the mesh's tensor-parallel group");
-  return true;
+              " is sharded over a group other than the mesh's tensor-parallel (or expert) group");
+  return Counted::kHere;
 }
 
 at::Tensor reduce_over(at::Tensor value, const GroupPtr& group, c10d::ReduceOp op) {
@@ -90,27 +103,35 @@ std::vector<ShardedGradients> sharded_gradients(const std::vector<at::Tensor>& p
 at::Tensor total_grad_norm(const std::vector<at::Tensor>& parameters,
                            double norm_type,
                            const GroupPtr& tp_group,
-                           const GroupPtr& pp_group) {
+                           const GroupPtr& pp_group,
+                           const GroupPtr& ep_group) {
   TORCH_CHECK(norm_type > 0,
               "torch_mp.clip_grad_norm_: norm_type must be positive (or inf), got ",
               norm_type);
   const bool max_norm = std::isinf(norm_type);
   // Per-tensor norms first, as torch.nn.utils.clip_grad_norm_ takes them; sums in float.
   at::Tensor local = at::zeros({}, at::kFloat);
+  at::Tensor experts = at::zeros({}, at::kFloat);
   for (const auto& p : parameters) {
     const at::Tensor& g = p.grad();
-    if (!g.defined() || !counted_here(p, tp_group)) {
+    const auto where = g.defined() ? counted(p, tp_group, ep_group) : Counted::kNo;
+    if (where == Counted::kNo) {
       continue;
     }
+    auto& part = where == Counted::kExpert ? experts : local;
     const auto norm = at::linalg_vector_norm(g, norm_type).to(at::kFloat).cpu();
-    local = max_norm ? at::maximum(local, norm) : local + norm.pow(norm_type);
+    part = max_norm ? at::maximum(part, norm) : part + norm.pow(norm_type);
   }
   const auto op = max_norm ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+  if (ep_group && ep_group->getSize() > 1) {  // (every rank of an expert group takes part)
+    experts = reduce_over(experts, ep_group, op);
+    local = max_norm ? at::maximum(local, experts) : local + experts;
+  }
   // Gradients reduce-scattered over a data group: each element on one rank of it.
   for (const auto& sharded : sharded_gradients(parameters)) {
     at::Tensor part = at::zeros({}, at::kFloat);
     for (size_t i = 0; i < sharded.pieces.size(); ++i) {
-      if (counted_here(sharded.parameters[i], tp_group)) {
+      if (counted(sharded.parameters[i], tp_group, ep_group) == Counted::kHere) {
         const auto norm = at::linalg_vector_norm(sharded.pieces[i], norm_type).to(at::kFloat).cpu();
         part = max_norm ? at::maximum(part, norm) : part + norm.pow(norm_type);
       }
@@ -127,8 +148,9 @@ at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters,
                            double norm_type,
                            const GroupPtr& tp_group,
                            const GroupPtr& pp_group,
-                           bool error_if_nonfinite) {
-  const at::Tensor total = total_grad_norm(parameters, norm_type, tp_group, pp_group);
+                           bool error_if_nonfinite,
+                           const GroupPtr& ep_group) {
+  const at::Tensor total = total_grad_norm(parameters, norm_type, tp_group, pp_group, ep_group);
   const double value = total.item<double>();
   TORCH_CHECK(!error_if_nonfinite || std::isfinite(value),
               "torch_mp.clip_grad_norm_: the total norm of order ",
@@ -164,8 +186,13 @@ at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters,
   if (!mesh) {
     mesh = get_mesh();
   }
-  return clip_grad_norm_(
-      parameters, max_norm, norm_type, mesh->tp_group, mesh->pp_group, error_if_nonfinite);
+  return clip_grad_norm_(parameters,
+                         max_norm,
+                         norm_type,
+                         mesh->tp_group,
+                         mesh->pp_group,
+                         error_if_nonfinite,
+                         mesh->ep_group);
 }
 
 }  // namespace torch_mp

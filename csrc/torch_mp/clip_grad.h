@@ -4,7 +4,9 @@
 // once (on rank 0 of their group), tied copies not at all, and the pipeline stages' parts are
 // combined. Data-parallel replicas hold equal gradients after their reduction and are not
 // combined, except gradients that a DataParallel(shard_gradients=True) reduce-scattered: their
-// pieces are summed over its data group. Layouts come from torch_mp/layout.h.
+// pieces are summed over its data group. A mixture of experts' experts (sharded over the expert
+// group, moe/) are summed over it: each of its ranks holds other experts. Layouts come from
+// torch_mp/layout.h.
 
 #include <ATen/core/Tensor.h>
 
@@ -16,13 +18,15 @@ namespace torch_mp {
 
 /// The norm of order `norm_type` (inf for the max norm) of all gradients of the model, as one
 /// vector. `parameters` are this rank's; those without a gradient are skipped. A collective over
-/// `tp_group` and `pp_group` (either may be null for a size of one).
+/// `tp_group`, `pp_group` and `ep_group` (any may be null for a size of one).
 ///
-/// Raises if a sharded parameter's group is not `tp_group`, or `norm_type` is not positive.
+/// Raises if a sharded parameter's group is not `tp_group` or `ep_group`, or `norm_type` is not
+/// positive.
 at::Tensor total_grad_norm(const std::vector<at::Tensor>& parameters,
                            double norm_type,
                            const GroupPtr& tp_group,
-                           const GroupPtr& pp_group);
+                           const GroupPtr& pp_group,
+                           const GroupPtr& ep_group = {});
 
 /// Scales the gradients so that their total norm (total_grad_norm) is at most `max_norm`, as
 /// torch.nn.utils.clip_grad_norm_ does, and returns the total norm before clipping.
@@ -34,7 +38,8 @@ at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters,
                            double norm_type,
                            const GroupPtr& tp_group,
                            const GroupPtr& pp_group,
-                           bool error_if_nonfinite = false);
+                           bool error_if_nonfinite = false,
+                           const GroupPtr& ep_group = {});
 
 /// The gradient tensors of `parameters` on this rank, what an optimizer over them steps from:
 /// each one's .grad, or this rank's pieces of those a DataParallel(shard_gradients=True) holds

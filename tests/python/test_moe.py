@@ -282,3 +282,37 @@ def test_a_checkpoint_saved_at_ep2_loads_at_any_ep(loaded, tmp_path):
         assert got.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(got[name], value), name
+
+
+def _clipped(ep: int) -> None:
+    """torch_mp.clip_grad_norm_ under DataParallel: the experts' norms summed over the expert
+    group (each rank holds other experts), the router counted once: the dense module's norm of
+    the gradient of the ranks' mean loss, and the same clipped gradients."""
+    mesh = use_mesh(1, 1, 1, ep)
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    reference = dense.MoE(HIDDEN, FFN, EXPERTS, bias=True)
+    model = torch_mp.DataParallel(torch_mp.moe.MoE.from_dense(reference))
+    total = 0
+    for r in range(world):
+        y, aux = reference(_tokens(r))
+        total = total + ((y * rank_tensor(2, r, *y.shape)).sum() + aux) / world
+    total.backward()
+    rank = dist.get_rank()
+    y, aux = model(_tokens(rank))
+    ((y * rank_tensor(2, rank, *y.shape)).sum() + aux).backward()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    got = torch_mp.clip_grad_norm_(model.parameters(), 0.05, mesh=mesh)
+    assert_close(got, want, "total norm")
+    first, local = mesh.ep_rank * (EXPERTS // ep), EXPERTS // ep
+    assert_close(model.module.router.weight.grad, reference.router.weight.grad, "router", GRAD_ATOL)
+    for name, value in model.module.experts.named_parameters():
+        theirs = dict(reference.experts.named_parameters())[name].grad[first : first + local]
+        assert_close(value.grad, theirs, f"clipped {name}", GRAD_ATOL)
+
+
+@pytest.mark.parametrize(
+    "world,ep", [(2, 2), (4, 2), (4, 4)], ids=["dp2-ep2", "dp4-ep2", "dp4-ep4"]
+)
+def test_clip_grad_norm_counts_every_expert_once(world, ep):
+    get_world(world).run(_clipped, ep)
