@@ -155,8 +155,11 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: router must be 'softmax' or 'sigmoid', got {router!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k must be in [1, num_experts = {num_experts}], got {top_k}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"MoE: capacity_factor must be positive, got {capacity_factor}")
+        if capacity_factor is not None and not (0 < capacity_factor < math.inf):
+            raise ValueError(
+                "MoE: capacity_factor must be positive (a capacity of zero drops every token) "
+                f"and finite (None: dropless), got {capacity_factor}"
+            )
         self.top_k, self.router_kind = top_k, router
         self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
         self.router = nn.Linear(hidden_size, num_experts, bias=False)

@@ -31,7 +31,7 @@ Counted counted(const at::Tensor& p, const GroupPtr& tp_group, const GroupPtr& e
   if (layout->tied_copy) {
     return Counted::kNo;
   }
-  if (ep_group && ep_group->getSize() > 1 && layout->group == ep_group) {
+  if (ep_group && layout->group == ep_group) {
     // An expert (replicated over the tensor group), or a router replicated over the experts'
     // ranks as over the data ranks.
     if (!layout->is_sharded()) {
@@ -123,10 +123,9 @@ at::Tensor total_grad_norm(const std::vector<at::Tensor>& parameters,
     part = max_norm ? at::maximum(part, norm) : part + norm.pow(norm_type);
   }
   const auto op = max_norm ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
-  if (ep_group && ep_group->getSize() > 1) {  // (every rank of an expert group takes part)
-    experts = reduce_over(experts, ep_group, op);
-    local = max_norm ? at::maximum(local, experts) : local + experts;
-  }
+  // (Every rank of an expert group takes part; a group of one rank needs no reduction.)
+  experts = reduce_over(experts, ep_group, op);
+  local = max_norm ? at::maximum(local, experts) : local + experts;
   // Gradients reduce-scattered over a data group: each element on one rank of it.
   for (const auto& sharded : sharded_gradients(parameters)) {
     at::Tensor part = at::zeros({}, at::kFloat);

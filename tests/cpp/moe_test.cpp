@@ -198,6 +198,14 @@ TEST(ExpertParallel, BadSettingsRaiseOnEveryRank) {
         MoE(dense::MoEOptions(kHidden, kFfn, kExperts).top_k(1 + mesh.ep_rank()), mesh.ep_group);
       });
   testing::expect_every_rank_raised(disagree, "MoE configuration [hidden_size");
+  const auto wider = testing::run_on_mesh_collecting_errors(
+      2,
+      [](int) { return testing::test_options(1).ep(2); },
+      [](const Mesh& mesh) {  // rank 1's tokens are wider than the module's: it cannot route them
+        MoE moe(dense::MoEOptions(kHidden, kFfn, kExperts), mesh.ep_group);
+        moe->forward(at::randn({5, kHidden + mesh.ep_rank()}));
+      });
+  testing::expect_every_rank_raised(wider, "pass different hidden sizes");
 }
 
 }  // namespace

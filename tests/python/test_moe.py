@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from conftest import get_world
 from reference import assert_close, error_of, rank_tensor, use_mesh
-from torch.nn import functional as F
 
 import torch_mp
 from torch_mp import dense
@@ -157,22 +156,13 @@ def _errors() -> dict[str, str | None]:
         "top_k": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, top_k=5),
         "router": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, router="relu"),
         "disagree": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, top_k=1 + rank),
-        # (The module's parameters padded on rank 1: its tokens are wider.)
-        "hidden": error_of(
-            lambda: torch.ops.torch_mp.moe(
-                torch.randn(5, HIDDEN + rank),
-                F.pad(moe.router.weight, (0, rank)),
-                F.pad(moe.experts.fc1_weight, (0, rank)),
-                None,
-                F.pad(moe.experts.fc2_weight, (0, 0, 0, rank)),
-                None,
-                2,
-                "gelu",
-                "softmax",
-                None,
-                0.01,
-                moe.group.group_name,
-            )
+        # (Rank 1's tokens wider than the module's: it cannot route them.)
+        "hidden": error_of(moe, torch.randn(5, HIDDEN + rank)),
+        "infinite capacity": error_of(
+            torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, capacity_factor=float("inf")
+        ),
+        "activation": error_of(
+            torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, activation=("gelu", "relu")[rank]
         ),
     }
 
@@ -185,6 +175,8 @@ def test_bad_settings_raise_on_every_rank():
         assert "router must be 'softmax' or 'sigmoid', got 'relu'" in errors["router"]
         assert "MoE configuration [hidden_size" in errors["disagree"]
         assert "pass different hidden sizes" in errors["hidden"]
+        assert "and finite (None: dropless)" in errors["infinite capacity"]
+        assert "bias, activation]" in errors["activation"]
 
 
 def _data_parallel(ep: int) -> None:
@@ -284,21 +276,20 @@ def test_a_checkpoint_saved_at_ep2_loads_at_any_ep(loaded, tmp_path):
             assert torch.equal(got[name], value), name
 
 
-def _clipped(ep: int) -> None:
+def _clipped(tp: int, ep: int) -> None:
     """torch_mp.clip_grad_norm_ under DataParallel: the experts' norms summed over the expert
     group (each rank holds other experts), the router counted once: the dense module's norm of
     the gradient of the ranks' mean loss, and the same clipped gradients."""
-    mesh = use_mesh(1, 1, 1, ep)
-    world = dist.get_world_size()
+    mesh = use_mesh(tp, 1, 1, ep)  # (the MoE replicated over the tensor group)
     torch.manual_seed(0)
     reference = dense.MoE(HIDDEN, FFN, EXPERTS, bias=True)
     model = torch_mp.DataParallel(torch_mp.moe.MoE.from_dense(reference))
     total = 0
-    for r in range(world):
+    for r in range(mesh.dp_size):
         y, aux = reference(_tokens(r))
-        total = total + ((y * rank_tensor(2, r, *y.shape)).sum() + aux) / world
+        total = total + ((y * rank_tensor(2, r, *y.shape)).sum() + aux) / mesh.dp_size
     total.backward()
-    rank = dist.get_rank()
+    rank = mesh.dp_rank
     y, aux = model(_tokens(rank))
     ((y * rank_tensor(2, rank, *y.shape)).sum() + aux).backward()
     want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
@@ -312,7 +303,9 @@ def _clipped(ep: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "world,ep", [(2, 2), (4, 2), (4, 4)], ids=["dp2-ep2", "dp4-ep2", "dp4-ep4"]
+    "world,tp,ep",
+    [(2, 1, 2), (4, 1, 2), (4, 1, 4), (2, 2, 1), (4, 2, 2)],
+    ids=["dp2-ep2", "dp4-ep2", "dp4-ep4", "tp2-ep1", "tp2-dp2-ep2"],
 )
-def test_clip_grad_norm_counts_every_expert_once(world, ep):
-    get_world(world).run(_clipped, ep)
+def test_clip_grad_norm_counts_every_expert_once(world, tp, ep):
+    get_world(world).run(_clipped, tp, ep)

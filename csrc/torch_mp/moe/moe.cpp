@@ -56,8 +56,10 @@ std::vector<int64_t> as_vector(const at::Tensor& t) {
 }  // namespace
 
 void check_moe(const dense::MoEOptions& o, const GroupPtr& group) {
-  const std::vector<std::string> routers{"softmax", "sigmoid"};
+  const std::vector<std::string> routers{"softmax", "sigmoid"}, activations{"gelu", "relu"};
   const auto router = std::find(routers.begin(), routers.end(), o.router()) - routers.begin();
+  const auto activation =
+      std::find(activations.begin(), activations.end(), o.activation()) - activations.begin();
   // Agreement first: a check that fails on one rank only would leave the others waiting.
   if (group) {
     comm::check_same_across_ranks(
@@ -69,10 +71,11 @@ void check_moe(const dense::MoEOptions& o, const GroupPtr& group) {
          o.capacity_factor().has_value(),
          comm::bits(o.capacity_factor().value_or(0.0)),
          comm::bits(o.aux_loss_coef()),
-         o.bias()},
+         o.bias(),
+         activation},
         group,
         "MoE configuration [hidden_size, ffn_hidden_size, num_experts, top_k, router, "
-        "capacity, capacity_factor (bits), aux_loss_coef (bits), bias]");
+        "capacity, capacity_factor (bits), aux_loss_coef (bits), bias, activation]");
   }
   check_routing(o.num_experts(), o.top_k(), o.router(), o.capacity_factor());
   check_activation(o.activation());
@@ -100,6 +103,22 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
               ranks,
               " ranks for a router of ",
               num_experts);
+  if (ranks > 1 && hidden != p.router_weight.size(1)) {
+    // Routing would fail on this rank alone: the counts' hidden-size column tells the others
+    // first (below), so that every rank raises.
+    exchange_counts(at::cat({at::zeros({ranks, local_experts}, at::kLong),
+                             at::full({ranks, 1}, hidden, at::kLong)},
+                            1),
+                    group);
+    TORCH_CHECK(false,
+                "MoE: the ranks of the expert group pass different hidden sizes (rank ",
+                group->getRank(),
+                " has ",
+                hidden,
+                " for a router of hidden size ",
+                p.router_weight.size(1),
+                ")");
+  }
   const auto tokens = x.reshape({-1, hidden});
   const int64_t count = tokens.size(0);
   const auto r = route(tokens, p.router_weight, o.top_k(), o.router(), o.capacity_factor());
@@ -178,7 +197,10 @@ MoEImpl::MoEImpl(dense::MoEOptions options_, GroupPtr group_, bool initialise)
 void MoEImpl::reset() {
   group = group ? group : get_mesh()->ep_group;
   const auto& o = options;
-  check_moe(o, group);
+  if (!checked_) {  // (a clone, whose reset runs on its own rank only, was checked as the original)
+    check_moe(o, group);
+    checked_ = true;
+  }
   router = register_module(
       "router",
       torch::nn::Linear(torch::nn::LinearOptions(o.hidden_size(), o.num_experts()).bias(false)));
@@ -191,6 +213,7 @@ void MoEImpl::reset() {
   register_layouts();
   if (initialise_) {
     reset_parameters();
+    initialise_ = false;  // (a clone copies the values instead of drawing them)
   }
 }
 

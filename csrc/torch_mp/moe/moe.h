@@ -94,6 +94,7 @@ class MoEImpl : public torch::nn::Cloneable<MoEImpl> {
   MoEImpl(dense::MoEOptions options, GroupPtr group, bool initialise);
   void register_layouts();
   bool initialise_ = true;
+  bool checked_ = false;
 };
 TORCH_MODULE(MoE);
 

@@ -21,8 +21,9 @@ void check_routing(int64_t num_experts,
               num_experts,
               "], got ",
               top_k);
-  TORCH_CHECK(!capacity_factor || *capacity_factor > 0,
-              "MoE: capacity_factor must be positive (a capacity of zero drops every token), got ",
+  TORCH_CHECK(!capacity_factor || (*capacity_factor > 0 && std::isfinite(*capacity_factor)),
+              "MoE: capacity_factor must be positive (a capacity of zero drops every token) and "
+              "finite (None: dropless), got ",
               capacity_factor.value_or(0.0));
 }
 
