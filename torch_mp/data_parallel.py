@@ -17,8 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torch_mp import _C
-from torch_mp import mesh as _mesh_module
-from torch_mp.mesh import Mesh, get_mesh
+from torch_mp.mesh import Mesh, find_mesh, get_mesh
 
 
 class DataParallel(nn.Module):
@@ -88,7 +87,7 @@ class DataParallel(nn.Module):
         if group is None:
             group = (mesh or get_mesh()).dp_cp_group
         # The mesh's expert and expert-data groups, for the experts' parameters (if any).
-        experts = mesh or _mesh_module._default_mesh
+        experts = mesh or find_mesh()
         expert_names = ("", "")
         if experts is not None and experts.ep_group is not None:
             expert_names = (experts.ep_group.group_name, experts.expert_dp_group.group_name)

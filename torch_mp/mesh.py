@@ -223,6 +223,11 @@ def get_mesh() -> Mesh:
     return _default_mesh
 
 
+def find_mesh() -> Mesh | None:
+    """The default mesh, or None if there is none (the C++ core's ``find_mesh``)."""
+    return _default_mesh
+
+
 def set_mesh(mesh: Mesh | None) -> None:
     """Makes ``mesh`` the default mesh (None clears it)."""
     global _default_mesh

@@ -5,6 +5,7 @@
 #include "torch_mp/activation.h"
 #include "torch_mp/moe/moe.h"
 #include "torch_mp/moe/router.h"
+#include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::dense {
 
@@ -149,11 +150,27 @@ void ExpertsImpl::reset_parameters() {
   }
 }
 
-at::Tensor ExpertsImpl::expert(int64_t i, const at::Tensor& x) const {
-  const auto b1 = bias ? std::optional<at::Tensor>(fc1_bias[i]) : std::nullopt;
-  const auto b2 = bias ? std::optional<at::Tensor>(fc2_bias[i]) : std::nullopt;
+at::Tensor expert_mlp(const at::Tensor& x,
+                      int64_t i,
+                      const at::Tensor& fc1_weight,
+                      const std::optional<at::Tensor>& fc1_bias,
+                      const at::Tensor& fc2_weight,
+                      const std::optional<at::Tensor>& fc2_bias,
+                      const std::string& activation) {
+  const auto b1 = fc1_bias ? std::optional<at::Tensor>((*fc1_bias)[i]) : std::nullopt;
+  const auto b2 = fc2_bias ? std::optional<at::Tensor>((*fc2_bias)[i]) : std::nullopt;
   return at::linear(
       torch_mp::activation(at::linear(x, fc1_weight[i], b1), activation), fc2_weight[i], b2);
+}
+
+at::Tensor ExpertsImpl::expert(int64_t i, const at::Tensor& x) const {
+  return expert_mlp(x,
+                    i,
+                    fc1_weight,
+                    tensor_parallel::optional_tensor(fc1_bias),
+                    fc2_weight,
+                    tensor_parallel::optional_tensor(fc2_bias),
+                    activation);
 }
 
 MoEImpl::MoEImpl(MoEOptions options_) : options(std::move(options_)) { reset(); }
@@ -170,15 +187,13 @@ void MoEImpl::reset() {
 }
 
 std::tuple<at::Tensor, at::Tensor> MoEImpl::forward(const at::Tensor& x) {
-  const auto optional = [](const at::Tensor& t) {
-    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-  };
+  using tensor_parallel::optional_tensor;
   return moe::moe_forward(x,
                           {router->weight,
                            experts->fc1_weight,
-                           optional(experts->fc1_bias),
+                           optional_tensor(experts->fc1_bias),
                            experts->fc2_weight,
-                           optional(experts->fc2_bias)},
+                           optional_tensor(experts->fc2_bias)},
                           options,
                           nullptr);
 }

@@ -139,6 +139,16 @@ class TransformerLayerImpl : public torch::nn::Cloneable<TransformerLayerImpl> {
 };
 TORCH_MODULE(TransformerLayer);
 
+/// Expert `i` of stacked expert weights (as ExpertsImpl holds them) on the rows `x` [n, hidden]:
+/// fc2(activation(fc1(x))). What the dense and the expert-parallel MoE both run.
+at::Tensor expert_mlp(const at::Tensor& x,
+                      int64_t i,
+                      const at::Tensor& fc1_weight,
+                      const std::optional<at::Tensor>& fc1_bias,
+                      const at::Tensor& fc2_weight,
+                      const std::optional<at::Tensor>& fc2_bias,
+                      const std::string& activation);
+
 /// `num_experts` MLPs fc2(activation(fc1(x))) stacked: fc1_weight [E, ffn, hidden], fc2_weight
 /// [E, hidden, ffn] (and [E, ffn], [E, hidden] biases), each expert initialised as a
 /// torch::nn::Linear pair is. The experts' dim comes first, so that expert parallelism splits

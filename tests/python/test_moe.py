@@ -156,6 +156,7 @@ def _errors() -> dict[str, str | None]:
         "top_k": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, top_k=5),
         "router": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, router="relu"),
         "disagree": error_of(torch_mp.moe.MoE, HIDDEN, FFN, EXPERTS, top_k=1 + rank),
+        "bias": error_of(moe.load_dense, dense.MoE(HIDDEN, FFN, EXPERTS, bias=True)),
         # (Rank 1's tokens wider than the module's: it cannot route them.)
         "hidden": error_of(moe, torch.randn(5, HIDDEN + rank)),
         "infinite capacity": error_of(
@@ -175,6 +176,7 @@ def test_bad_settings_raise_on_every_rank():
         assert "router must be 'softmax' or 'sigmoid', got 'relu'" in errors["router"]
         assert "MoE configuration [hidden_size" in errors["disagree"]
         assert "pass different hidden sizes" in errors["hidden"]
+        assert "4 experts with biases, this one 4 without" in errors["bias"]
         assert "and finite (None: dropless)" in errors["infinite capacity"]
         assert "bias, activation]" in errors["activation"]
 

@@ -34,7 +34,7 @@ class MoE(SharesGroup, nn.Module):
     variable counts (the counts exchanged first), the local experts run one after another over
     the tokens they received, and the results come back by a second all-to-all; the backward
     mirrors it. A collective over the group: every rank must call it, with its own tokens (any
-    number of them).
+    number of them; with none, the aux loss is NaN, as the dense module's is).
 
     Args:
         hidden_size, ffn_hidden_size, num_experts, top_k, activation, router,
@@ -106,18 +106,8 @@ class MoE(SharesGroup, nn.Module):
             set_layout(parameter, 0, self.group)
 
     def _dense(self, device=None) -> dense_modules.MoE:
-        experts = self.experts
-        return dense_modules.MoE(
-            self.router.in_features,
-            experts.fc1_weight.shape[1],
-            self.num_experts,
-            self.top_k,
-            activation=experts.activation,
-            router=self.router_kind,
-            capacity_factor=self.capacity_factor,
-            aux_loss_coef=self.aux_loss_coef,
-            bias=experts.fc1_bias is not None,
-        ).to(device=device)
+        args, kwargs = _arguments(self)
+        return dense_modules.MoE(*args, **kwargs).to(device=device)
 
     def reset_parameters(self) -> None:
         """Draws a :class:`torch_mp.dense.MoE` with these arguments and keeps this rank's
@@ -126,10 +116,12 @@ class MoE(SharesGroup, nn.Module):
 
     def load_dense(self, dense: dense_modules.MoE) -> None:
         """Copies ``dense``'s router and this rank's experts into the parameters."""
-        if dense.num_experts != self.num_experts:
+        bias = (dense.experts.fc1_bias is not None, self.experts.fc1_bias is not None)
+        if dense.num_experts != self.num_experts or bias[0] != bias[1]:
             raise ValueError(
-                f"MoE.load_dense: the dense module has {dense.num_experts} experts, this one "
-                f"{self.num_experts}"
+                f"MoE.load_dense: the dense module has {dense.num_experts} experts "
+                f"{('without', 'with')[bias[0]]} biases, this one {self.num_experts} "
+                f"{('without', 'with')[bias[1]]}"
             )
         rank, local = dist.get_rank(self.group), self.experts.num_experts
         with torch.no_grad():
@@ -159,20 +151,8 @@ class MoE(SharesGroup, nn.Module):
     def from_dense(cls, dense: dense_modules.MoE, group: dist.ProcessGroup | None = None) -> MoE:
         """Shards ``dense`` (device and dtype kept, no random draws); a collective only in
         that it checks the configuration over the group."""
-        experts = dense.experts
-        layer = cls(
-            dense.router.in_features,
-            experts.fc1_weight.shape[1],
-            dense.num_experts,
-            dense.top_k,
-            activation=experts.activation,
-            router=dense.router_kind,
-            capacity_factor=dense.capacity_factor,
-            aux_loss_coef=dense.aux_loss_coef,
-            bias=experts.fc1_bias is not None,
-            group=group,
-            device="meta",
-        )
+        args, kwargs = _arguments(dense)
+        layer = cls(*args, **kwargs, group=group, device="meta")
         weight = dense.router.weight
         layer.to_empty(device=weight.device)
         layer.to(dtype=weight.dtype)
@@ -194,3 +174,18 @@ class MoE(SharesGroup, nn.Module):
                 dist.all_gather(parts, value.detach().contiguous(), group=self.group)
                 theirs[name].copy_(torch.cat(parts))
         return dense
+
+
+def _arguments(moe: nn.Module) -> tuple[tuple, dict]:
+    """The constructor arguments of ``moe`` (a :class:`MoE` or :class:`torch_mp.dense.MoE`;
+    they hold their settings alike)."""
+    experts = moe.experts
+    args = (moe.router.in_features, experts.fc1_weight.shape[1], moe.num_experts, moe.top_k)
+    kwargs = {
+        "activation": experts.activation,
+        "router": moe.router_kind,
+        "capacity_factor": moe.capacity_factor,
+        "aux_loss_coef": moe.aux_loss_coef,
+        "bias": experts.fc1_bias is not None,
+    }
+    return args, kwargs

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from torch_mp import _C
-from torch_mp import mesh as _mesh_module
-from torch_mp.mesh import Mesh, get_mesh
+from torch_mp.mesh import Mesh, find_mesh, get_mesh
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -81,7 +80,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameters = [p for g in groups for p in g["params"]]
         self.group = group
         # The mesh's expert group: its experts' parameters are refused (not sharded yet).
-        expert_group = getattr(mesh or _mesh_module._default_mesh, "ep_group", None)
+        expert_group = getattr(mesh or find_mesh(), "ep_group", None)
         self._shards = _C.optim.ParameterShards(
             parameters,
             group.group_name,

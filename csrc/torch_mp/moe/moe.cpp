@@ -20,17 +20,6 @@
 namespace torch_mp::moe {
 namespace {
 
-// The experts' MLP: expert `i` of the stacked parameters on the rows `x`.
-at::Tensor run_expert(const MoEParameters& p,
-                      int64_t i,
-                      const at::Tensor& x,
-                      const std::string& activation) {
-  const auto b1 = p.fc1_bias ? std::optional<at::Tensor>((*p.fc1_bias)[i]) : std::nullopt;
-  const auto b2 = p.fc2_bias ? std::optional<at::Tensor>((*p.fc2_bias)[i]) : std::nullopt;
-  return at::linear(
-      torch_mp::activation(at::linear(x, p.fc1_weight[i], b1), activation), p.fc2_weight[i], b2);
-}
-
 // The local experts, one after another, over `rows` grouped by expert (`counts` rows each).
 // An expert given no rows runs too: its parameters then get a zero gradient, not none, so that
 // a data-parallel reduction finds every gradient it waits for.
@@ -41,8 +30,13 @@ at::Tensor run_experts(const MoEParameters& p,
   std::vector<at::Tensor> outputs;
   int64_t first = 0;
   for (size_t i = 0; i < counts.size(); ++i) {
-    outputs.push_back(
-        run_expert(p, static_cast<int64_t>(i), rows.narrow(0, first, counts[i]), activation));
+    outputs.push_back(dense::expert_mlp(rows.narrow(0, first, counts[i]),
+                                        static_cast<int64_t>(i),
+                                        p.fc1_weight,
+                                        p.fc1_bias,
+                                        p.fc2_weight,
+                                        p.fc2_bias,
+                                        activation));
     first += counts[i];
   }
   return at::cat(outputs);
@@ -249,14 +243,12 @@ std::tuple<at::Tensor, at::Tensor> MoEImpl::forward(const at::Tensor& x) {
 }
 
 MoEParameters MoEImpl::weights() const {
-  const auto optional = [](const at::Tensor& t) {
-    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-  };
+  using tensor_parallel::optional_tensor;
   return {router->weight,
           experts->fc1_weight,
-          optional(experts->fc1_bias),
+          optional_tensor(experts->fc1_bias),
           experts->fc2_weight,
-          optional(experts->fc2_bias)};
+          optional_tensor(experts->fc2_bias)};
 }
 
 MoE MoEImpl::from_dense(const dense::MoE& dense, GroupPtr group) {
