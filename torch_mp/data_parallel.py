@@ -238,3 +238,13 @@ def _check_ddp(module: DistributedDataParallel) -> None:
                 "exactly by the pipeline (its reduction would run on the wrong micro-batch's "
                 "graph); wrap the stage without it, or in torch_mp.DataParallel"
             )
+    mesh = find_mesh()
+    if mesh is not None and mesh.ep_size > 1:  # (at ep 1 every rank holds every expert)
+        for name, p in module.module.named_parameters():
+            if _C.data_parallel.is_expert_parameter(p, mesh.ep_group.group_name):
+                raise ValueError(
+                    f"Pipeline: the DistributedDataParallel stage holds the expert parameter "
+                    f"{name}: DDP would average different experts' gradients over the data "
+                    "group; wrap the stage in torch_mp.DataParallel, which reduces experts over "
+                    "mesh.expert_dp_group"
+                )

@@ -63,13 +63,20 @@ class ConvBlock(nn.Module):
 
 
 _ROUTERS = ("softmax", "sigmoid")
+#: The experts' activations: those of the MLP, and the gated "swiglu" (Mixtral's and LLaMA's
+#: ``silu(gate) * up``, the gate and up projections stacked in ``fc1``).
+_EXPERT_ACTIVATIONS = (*_ACTIVATIONS, "swiglu")
 
 
 class Experts(nn.Module):
     """``num_experts`` MLPs ``fc2(activation(fc1(x)))`` stacked: ``fc1_weight``
     ``[E, ffn, hidden]``, ``fc2_weight`` ``[E, hidden, ffn]`` (and ``[E, ffn]``, ``[E, hidden]``
     biases), each expert initialised as an ``nn.Linear`` pair is. The experts' dim comes first,
-    so that expert parallelism splits them along it."""
+    so that expert parallelism splits them along it.
+
+    ``activation="swiglu"`` makes them gated, as Mixtral's: ``fc1_weight`` is
+    ``[E, 2 * ffn, hidden]``, the gate projection's rows then the up projection's, and an expert
+    is ``fc2(silu(gate(x)) * up(x))``."""
 
     def __init__(
         self,
@@ -80,13 +87,16 @@ class Experts(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"Experts: activation must be 'relu' or 'gelu', got {activation!r}")
-        self.activation = activation
+        if activation not in _EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"Experts: activation must be 'relu', 'gelu' or 'swiglu', got {activation!r}"
+            )
+        self.activation, self.ffn_hidden_size = activation, ffn_hidden_size
         e, h, f = num_experts, hidden_size, ffn_hidden_size
-        self.fc1_weight = nn.Parameter(torch.empty(e, f, h))
+        rows = 2 * f if activation == "swiglu" else f
+        self.fc1_weight = nn.Parameter(torch.empty(e, rows, h))
         self.fc2_weight = nn.Parameter(torch.empty(e, h, f))
-        self.fc1_bias = nn.Parameter(torch.empty(e, f)) if bias else None
+        self.fc1_bias = nn.Parameter(torch.empty(e, rows)) if bias else None
         self.fc2_bias = nn.Parameter(torch.empty(e, h)) if bias else None
         self.reset_parameters()
 
@@ -111,7 +121,12 @@ class Experts(nn.Module):
         """Expert ``i`` on the rows ``x`` ``[n, hidden]``."""
         b1 = None if self.fc1_bias is None else self.fc1_bias[i]
         b2 = None if self.fc2_bias is None else self.fc2_bias[i]
-        hidden = _ACTIVATIONS[self.activation](F.linear(x, self.fc1_weight[i], b1))
+        hidden = F.linear(x, self.fc1_weight[i], b1)
+        if self.activation == "swiglu":
+            gate, up = hidden.chunk(2, -1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = _ACTIVATIONS[self.activation](hidden)
         return F.linear(hidden, self.fc2_weight[i], b2)
 
 

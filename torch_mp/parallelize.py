@@ -28,7 +28,11 @@ values are styles, or their names (in brackets):
 - :class:`TransformerLayerParallel` ("transformer_layer"): ``nn.TransformerEncoderLayer`` ->
   ParallelTransformerLayer, called as the dense layer is;
 - :class:`LocalAttributes` ``(*names)``: the module itself, its integer attributes ``names``
-  divided by the group size.
+  divided by the group size;
+- :class:`ExpertParallel` ("experts"): a mixture of experts with its experts split over the
+  mesh's *expert* group (``mesh.ep_group``): a Hugging Face sparse MoE block (Mixtral's) -> the
+  same block, its tokens sent to their experts' ranks by all-to-all; ``torch_mp.dense.MoE`` ->
+  ``torch_mp.moe.MoE``.
 
 A column layer followed by a row layer (attention's projections, an MLP) communicates once in
 forward and once in backward; everything between them works on this rank's share: heads,
@@ -36,12 +40,15 @@ channels or features. Modules that reshape by a stored head count need ``LocalAt
 (Hugging Face's Llama reshapes by ``-1`` and needs none). With no plan, :func:`default_plan`
 covers ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` wherever they are.
 
-Ready plans: :data:`LLAMA_PLAN` (Hugging Face ``LlamaForCausalLM``), :data:`RESNET_BASIC_BLOCK_PLAN`
+Ready plans: :data:`LLAMA_PLAN` (Hugging Face ``LlamaForCausalLM``), :data:`MIXTRAL_PLAN`
+(``MixtralForCausalLM``: attention over the tensor group, experts over the expert group),
+:data:`RESNET_BASIC_BLOCK_PLAN`
 (torchvision's ``BasicBlock``; prefix it with the blocks' names, see :func:`prefixed`).
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,8 +56,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
+from torch_mp import dense as dense_modules
 from torch_mp.mesh import Mesh, get_mesh
+from torch_mp.moe import MoE
 from torch_mp.tensor_parallel.attention import ParallelSelfAttention
 from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2d
 from torch_mp.tensor_parallel.conv_block import ChannelParallelBatchNorm2d
@@ -61,10 +71,12 @@ from torch_mp.tensor_parallel.transformer_layer import ParallelTransformerLayer
 
 __all__ = [
     "LLAMA_PLAN",
+    "MIXTRAL_PLAN",
     "RESNET_BASIC_BLOCK_PLAN",
     "AttentionParallel",
     "ChannelParallelNorm",
     "ColwiseParallel",
+    "ExpertParallel",
     "LocalAttributes",
     "ParallelStyle",
     "RowwiseParallel",
@@ -80,9 +92,11 @@ __all__ = [
 class ParallelStyle:
     """How one module becomes tensor-parallel: :meth:`apply` returns its replacement.
     ``TAKES`` (module types) and :meth:`check` refuse modules it does not fit, before
-    :func:`parallelize` changes anything."""
+    :func:`parallelize` changes anything. ``GROUP`` names the mesh's group the style splits
+    over (``"tp_group"``; ``"ep_group"`` for experts): ``check`` and ``apply`` receive it."""
 
     TAKES: tuple[type, ...] = ()
+    GROUP: str = "tp_group"
 
     def check(self, module: nn.Module, group: dist.ProcessGroup) -> None:
         if self.TAKES and not isinstance(module, self.TAKES):
@@ -299,6 +313,120 @@ class LocalAttributes(ParallelStyle):
         return module
 
 
+class _SparseMoeBlock(MoE):
+    """A Hugging Face sparse mixture-of-experts block (Mixtral's ``MixtralSparseMoeBlock``: a
+    top-k softmax router ``gate`` and SiLU-gated experts stacked in ``experts.gate_up_proj`` /
+    ``experts.down_proj``) with its experts split over the expert group, called as the block is:
+    ``forward(hidden_states) -> hidden_states``.
+
+    It is a :class:`torch_mp.moe.MoE` with ``activation="swiglu"`` whose router is the block's
+    own ``gate`` (replicated): the gate also runs on the tokens as it does in the block, so that
+    the model's router-logit recorders, and with them its load-balancing loss
+    (``output_router_logits``), see what they see in the one-process model. The module's own
+    load-balancing loss of the last call is kept in :attr:`aux_loss`. Checkpoints and
+    :meth:`to_dense` use the block's names and form."""
+
+    DENSE_NAMES = {
+        "router.": "gate.",
+        "experts.fc1_weight": "experts.gate_up_proj",
+        "experts.fc2_weight": "experts.down_proj",
+    }
+
+    @classmethod
+    def from_block(cls, block: nn.Module, group: dist.ProcessGroup) -> _SparseMoeBlock:
+        e, rows, h = block.experts.gate_up_proj.shape
+        layer = cls(h, rows // 2, e, block.top_k, activation="swiglu", group=group, device="meta")
+        weight = block.gate.weight
+        layer.to_empty(device=weight.device)
+        layer.to(dtype=weight.dtype)
+        layer.router = block.gate
+        layer._register_layouts()
+        # The block's form, for to_dense (a plain attribute: not a submodule).
+        layer._block_form = (copy.deepcopy(block).to("meta"),)
+        layer.aux_loss = None
+        layer.load_dense(block)
+        return layer
+
+    def load_dense(self, block: nn.Module) -> None:
+        """Copies ``block``'s gate and this rank's experts into the parameters."""
+        rank, local = dist.get_rank(self.group), self.experts.num_experts
+        mine = slice(rank * local, (rank + 1) * local)
+        with torch.no_grad():
+            self.router.weight.copy_(block.gate.weight)
+            self.experts.fc1_weight.copy_(block.experts.gate_up_proj[mine])
+            self.experts.fc2_weight.copy_(block.experts.down_proj[mine])
+
+    def to_dense(self) -> nn.Module:
+        """The block, every expert gathered onto every rank (a collective)."""
+        moe = super().to_dense()
+        block = copy.deepcopy(self._block_form[0]).to_empty(device=self.router.weight.device)
+        with torch.no_grad():
+            block.gate.weight.copy_(moe.router.weight)
+            block.experts.gate_up_proj.copy_(moe.experts.fc1_weight)
+            block.experts.down_proj.copy_(moe.experts.fc2_weight)
+        return block
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        self.router(hidden_states.reshape(-1, hidden_states.shape[-1]))  # for the recorders
+        y, self.aux_loss = super().forward(hidden_states)
+        return y
+
+
+def _check_sparse_moe_block(module: nn.Module) -> None:
+    """Raises unless ``module`` is laid out as Mixtral's sparse MoE block, with nothing that
+    one process and the expert group would compute differently."""
+    experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
+    up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not all(isinstance(t, torch.Tensor) for t in (getattr(gate, "weight", None), up, down)):
+        raise TypeError(
+            "ExpertParallel applies to torch_mp.dense.MoE and to Hugging Face sparse MoE blocks "
+            "laid out as Mixtral's (gate.weight [E, h], experts.gate_up_proj [E, 2f, h], "
+            f"experts.down_proj [E, h, f], top_k), not {type(module).__name__}"
+        )
+    probe = torch.linspace(-3, 3, 7)
+    act = getattr(experts, "act_fn", None)
+    if act is None or not torch.allclose(act(probe), F.silu(probe)):
+        raise ValueError(
+            f"ExpertParallel: {type(module).__name__}'s experts must be SiLU-gated "
+            "(hidden_act 'silu')"
+        )
+    if getattr(module, "jitter_noise", 0) > 0:
+        raise ValueError(
+            f"ExpertParallel: router_jitter_noise = {module.jitter_noise} draws noise for every "
+            "token, which the expert group's ranks cannot draw as one process does; set it to 0"
+        )
+
+
+@dataclass(frozen=True)
+class ExpertParallel(ParallelStyle):
+    """A mixture of experts with its experts split over the mesh's expert group (rank e of the
+    group holding experts ``[e E / ep, (e + 1) E / ep)``, the router replicated): a Hugging Face
+    sparse MoE block laid out as Mixtral's becomes the same block, called as it is
+    (SiLU-gated experts; router jitter refused); a :class:`torch_mp.dense.MoE` becomes
+    :class:`torch_mp.moe.MoE`. Each rank routes its own tokens: the experts' gradients gather
+    the tokens of the whole expert group, the router's are this rank's (reduce both with
+    :class:`torch_mp.DataParallel`, which knows the experts' group)."""
+
+    GROUP = "ep_group"
+
+    def check(self, module, group):
+        if isinstance(module, dense_modules.MoE):
+            experts = module.num_experts
+        else:
+            _check_sparse_moe_block(module)
+            experts = module.experts.gate_up_proj.shape[0]
+        if experts % dist.get_world_size(group):
+            raise ValueError(
+                f"{experts} experts cannot be split over an expert group of "
+                f"{dist.get_world_size(group)} ranks"
+            )
+
+    def apply(self, module, group):
+        if isinstance(module, dense_modules.MoE):
+            return MoE.from_dense(module, group)
+        return _SparseMoeBlock.from_block(module, group)
+
+
 STYLES: dict[str, ParallelStyle] = {
     "colwise": ColwiseParallel(),
     "rowwise": RowwiseParallel(),
@@ -307,6 +435,7 @@ STYLES: dict[str, ParallelStyle] = {
     "sequence_norm": SequenceParallelNorm(),
     "attention": AttentionParallel(),
     "transformer_layer": TransformerLayerParallel(),
+    "experts": ExpertParallel(),
 }
 
 Plan = Mapping[str, "ParallelStyle | str"]
@@ -324,6 +453,14 @@ LLAMA_PLAN: dict[str, ParallelStyle | str] = {
     "model.layers.*.mlp.up_proj": "colwise",
     "model.layers.*.mlp.down_proj": "rowwise",
     "lm_head": ColwiseParallel(gather_output=True),
+}
+
+# Hugging Face MixtralForCausalLM: as LLAMA_PLAN's attention and vocabulary over the tensor group,
+# and every layer's sparse MoE block with its experts over the expert group (each tensor rank
+# runs the block on the same tokens). Needs router_jitter_noise 0 and SiLU experts.
+MIXTRAL_PLAN: dict[str, ParallelStyle | str] = {
+    **{k: v for k, v in LLAMA_PLAN.items() if ".mlp." not in k},
+    "model.layers.*.mlp": "experts",
 }
 
 # torchvision's ResNet BasicBlock: conv1's output channels split, bn1 over them, conv2's input
@@ -381,7 +518,8 @@ def _style(style: ParallelStyle | str) -> ParallelStyle:
 
 def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = None) -> nn.Module:
     """Makes ``model`` tensor-parallel over ``mesh``'s tensor group (the default mesh's) by
-    ``plan`` (module name or pattern -> style; :func:`default_plan` when None), in place.
+    ``plan`` (module name or pattern -> style; :func:`default_plan` when None), in place; the
+    "experts" style splits over the mesh's expert group instead.
     Call it on every rank of the group with the same model (the same weights: each rank keeps
     its shard).
 
@@ -392,7 +530,7 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = 
         ValueError: If a plan entry matches no module, a module is matched twice or lies
             inside another that is replaced, or a style does not fit its module (naming it).
     """
-    group = (mesh or get_mesh()).tp_group
+    mesh = mesh or get_mesh()
     plan = default_plan(model) if plan is None else plan
     names = [name for name, _ in model.named_modules()]
     chosen: dict[str, tuple[str, ParallelStyle]] = {}
@@ -431,13 +569,13 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = 
                 )
     for name, (pattern, style) in chosen.items():
         try:
-            style.check(model.get_submodule(name), group)
+            style.check(model.get_submodule(name), getattr(mesh, style.GROUP))
         except (TypeError, ValueError) as e:
             raise type(e)(f"parallelize: {name!r} (plan entry {pattern!r}): {e}") from e
     for name, (pattern, style) in chosen.items():
         module = model.get_submodule(name)
         try:
-            new = style.apply(module, group)
+            new = style.apply(module, getattr(mesh, style.GROUP))
         except (TypeError, ValueError, RuntimeError) as e:
             raise type(e)(f"parallelize: {name!r} (plan entry {pattern!r}): {e}") from e
         if new is module:

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "torch_mp/activation.h"
+#include "torch_mp/moe/experts.h"
 #include "torch_mp/moe/moe.h"
 #include "torch_mp/moe/router.h"
 #include "torch_mp/tensor_parallel/sharding.h"
@@ -123,15 +124,15 @@ ExpertsImpl::ExpertsImpl(int64_t hidden_size_,
 }
 
 void ExpertsImpl::reset() {
-  check_activation(activation);
+  moe::check_expert_activation(activation);
   TORCH_CHECK(num_experts >= 0 && hidden_size >= 0 && ffn_hidden_size >= 0,
               "Experts: sizes must not be negative");
-  fc1_weight =
-      register_parameter("fc1_weight", at::empty({num_experts, ffn_hidden_size, hidden_size}));
+  const int64_t rows = ffn_hidden_size * moe::fc1_rows_per_unit(activation);
+  fc1_weight = register_parameter("fc1_weight", at::empty({num_experts, rows, hidden_size}));
   fc2_weight =
       register_parameter("fc2_weight", at::empty({num_experts, hidden_size, ffn_hidden_size}));
   if (bias) {
-    fc1_bias = register_parameter("fc1_bias", at::empty({num_experts, ffn_hidden_size}));
+    fc1_bias = register_parameter("fc1_bias", at::empty({num_experts, rows}));
     fc2_bias = register_parameter("fc2_bias", at::empty({num_experts, hidden_size}));
   }
   reset_parameters();
@@ -160,7 +161,7 @@ at::Tensor expert_mlp(const at::Tensor& x,
   const auto b1 = fc1_bias ? std::optional<at::Tensor>((*fc1_bias)[i]) : std::nullopt;
   const auto b2 = fc2_bias ? std::optional<at::Tensor>((*fc2_bias)[i]) : std::nullopt;
   return at::linear(
-      torch_mp::activation(at::linear(x, fc1_weight[i], b1), activation), fc2_weight[i], b2);
+      moe::expert_activation(at::linear(x, fc1_weight[i], b1), activation), fc2_weight[i], b2);
 }
 
 at::Tensor ExpertsImpl::expert(int64_t i, const at::Tensor& x) const {

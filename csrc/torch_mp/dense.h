@@ -152,7 +152,9 @@ at::Tensor expert_mlp(const at::Tensor& x,
 /// `num_experts` MLPs fc2(activation(fc1(x))) stacked: fc1_weight [E, ffn, hidden], fc2_weight
 /// [E, hidden, ffn] (and [E, ffn], [E, hidden] biases), each expert initialised as a
 /// torch::nn::Linear pair is. The experts' dim comes first, so that expert parallelism splits
-/// them along it (torch_mp.dense.Experts' twin).
+/// them along it (torch_mp.dense.Experts' twin). With activation "swiglu" they are gated, as
+/// Mixtral's: fc1_weight is [E, 2 ffn, hidden], the gate projection's rows then the up
+/// projection's, and an expert is fc2(silu(gate(x)) * up(x)) (moe/experts.h).
 class ExpertsImpl : public torch::nn::Cloneable<ExpertsImpl> {
  public:
   ExpertsImpl(int64_t hidden_size,
@@ -182,7 +184,7 @@ struct MoEOptions {
   TORCH_ARG(int64_t, num_experts);
   /// Experts per token.
   TORCH_ARG(int64_t, top_k) = 2;
-  /// The experts' activation: "gelu" or "relu".
+  /// The experts' activation: "gelu", "relu" or the gated "swiglu" (ExpertsImpl).
   TORCH_ARG(std::string, activation) = "gelu";
   /// "softmax" (Mixtral's) or "sigmoid" (DeepSeek-V3's), each renormalised over the top k.
   TORCH_ARG(std::string, router) = "softmax";

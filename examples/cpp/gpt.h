@@ -16,6 +16,12 @@
 // loss, the mean over the whole sequence. The first stage holds the embeddings, the last the final
 // norm and the head: a copy of the embedding tied to it across the pipeline (or the embedding
 // itself when one stage holds both).
+//
+// With Config::moe_experts every layer's MLP is a mixture of experts (DenseMoeLayer,
+// torch_mp::dense::MoE), its experts spread over the mesh's expert group in the stages
+// (ParallelMoeLayer, torch_mp::moe::MoE); the layers' load-balancing losses travel with the
+// activations from stage to stage and join the loss at the end (torch_mp.models.gpt's MoELayer
+// and ParallelMoELayer).
 
 #include <torch/torch.h>
 #include <torch_mp/torch_mp.h>
@@ -36,10 +42,12 @@ namespace gpt {
 namespace tp = torch_mp::tensor_parallel;
 
 /// The GPT's sizes. heads and ffn (and seq under sequence parallelism) must be divisible by the
-/// tensor-parallel size; the vocabulary need not be.
+/// tensor-parallel size; the vocabulary need not be. With moe_experts every layer is a
+/// DenseMoeLayer of that many experts of ffn each, moe_top_k of them per token.
 struct Config {
   int64_t vocab = 0;
   int64_t seq = 32, hidden = 32, heads = 4, ffn = 64, layers = 4;
+  int64_t moe_experts = 0, moe_top_k = 2;
 };
 
 /// The corpus the examples train on (from the repository's root): Shakespeare's plays, public
@@ -145,13 +153,53 @@ inline torch::Tensor causal_mask(int64_t s) {
   return torch::full({s, s}, -std::numeric_limits<float>::infinity()).triu(1);
 }
 
-/// The one-process model, on [b, s] token ids; returns [s, b, vocab] logits.
+/// A pre-LN transformer layer whose MLP is a mixture of experts, without biases:
+/// x + attn(norm1(x)), then + moe(norm2(x)) (gelu experts, softmax router). forward returns
+/// (x, aux_loss): the load-balancing loss of the layer's s * b tokens.
+struct DenseMoeLayerImpl : torch::nn::Module {
+  explicit DenseMoeLayerImpl(const Config& c) {
+    self_attn =
+        register_module("self_attn",
+                        torch::nn::MultiheadAttention(
+                            torch::nn::MultiheadAttentionOptions(c.hidden, c.heads).bias(false)));
+    norm1 = register_module(
+        "norm1",
+        torch_mp::dense::LayerNorm(torch_mp::dense::LayerNormOptions(c.hidden).bias(false)));
+    norm2 = register_module(
+        "norm2",
+        torch_mp::dense::LayerNorm(torch_mp::dense::LayerNormOptions(c.hidden).bias(false)));
+    moe = register_module(
+        "moe",
+        torch_mp::dense::MoE(
+            torch_mp::dense::MoEOptions(c.hidden, c.ffn, c.moe_experts).top_k(c.moe_top_k)));
+  }
+
+  std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& input,
+                                                   const torch::Tensor& mask) {
+    const auto h = norm1(input);
+    const auto x = input + std::get<0>(self_attn->forward(h, h, h, {}, false, mask));
+    const auto [y, aux_loss] = moe(norm2(x));
+    return {x + y, aux_loss};
+  }
+
+  torch::nn::MultiheadAttention self_attn = nullptr;
+  torch_mp::dense::LayerNorm norm1 = nullptr, norm2 = nullptr;
+  torch_mp::dense::MoE moe = nullptr;
+};
+TORCH_MODULE(DenseMoeLayer);
+
+/// The one-process model, on [b, s] token ids; returns [s, b, vocab] logits (forward_with_aux:
+/// and the sum of the MoE layers' load-balancing losses, 0 without them).
 struct DenseGptImpl : torch::nn::Module {
   explicit DenseGptImpl(const Config& config) : config(config) {
     tok = register_module("tok", torch::nn::Embedding(config.vocab, config.hidden));
     pos = register_module("pos", torch::nn::Embedding(config.seq, config.hidden));
     layers = register_module("layers", torch::nn::ModuleList());
     for (int64_t i = 0; i < config.layers; ++i) {
+      if (config.moe_experts > 0) {
+        layers->push_back(DenseMoeLayer(config));
+        continue;
+      }
       layers->push_back(torch_mp::dense::TransformerLayer(
           torch_mp::dense::TransformerLayerOptions(config.hidden, config.heads, config.ffn)
               .dropout(0.0)
@@ -169,19 +217,34 @@ struct DenseGptImpl : torch::nn::Module {
   }
 
   torch::Tensor forward(const torch::Tensor& tokens) {
+    return std::get<0>(forward_with_aux(tokens));
+  }
+
+  std::tuple<torch::Tensor, torch::Tensor> forward_with_aux(const torch::Tensor& tokens) {
     const auto t = tokens.t();  // [s, b]
     const int64_t s = t.size(0);
     auto x = tok(t) + pos(torch::arange(s)).unsqueeze(1);
     const auto mask = causal_mask(s);
+    auto aux_loss = torch::zeros({});
     for (const auto& layer : *layers) {
-      x = layer->as<torch_mp::dense::TransformerLayerImpl>()->forward(x, mask);
+      if (auto* moe = layer->as<DenseMoeLayerImpl>()) {
+        auto [y, layer_aux] = moe->forward(x, mask);
+        x = y;
+        aux_loss = aux_loss + layer_aux;
+      } else {
+        x = layer->as<torch_mp::dense::TransformerLayerImpl>()->forward(x, mask);
+      }
     }
-    return torch::matmul(norm(x), tok->weight.t());
+    return {torch::matmul(norm(x), tok->weight.t()), aux_loss};
   }
 
   /// The layer `i` (for from_dense).
   torch_mp::dense::TransformerLayer layer(int64_t i) const {
     return torch_mp::dense::TransformerLayer(layers->ptr<torch_mp::dense::TransformerLayerImpl>(i));
+  }
+  /// The MoE layer `i`.
+  DenseMoeLayer moe_layer(int64_t i) const {
+    return DenseMoeLayer(layers->ptr<DenseMoeLayerImpl>(i));
   }
 
   Config config;
@@ -221,6 +284,53 @@ inline torch::Tensor dense_loss(const torch::Tensor& logits, const torch::Tensor
                                               target.t().flatten());
 }
 
+/// DenseMoeLayer sharded: the attention heads over the tensor group (ParallelSelfAttention), the
+/// experts over the expert group (torch_mp::moe::MoE). Every rank of the tensor group runs the
+/// mixture on the whole [s, b, h] (the same tokens, the same experts), so its parameters are
+/// replicated over the tensor group and their gradients are the dense ones on each rank.
+struct ParallelMoeLayerImpl : torch::nn::Module {
+  ParallelMoeLayerImpl(const DenseMoeLayer& dense,
+                       torch_mp::GroupPtr group,
+                       torch_mp::GroupPtr expert_group)
+      : group(std::move(group)) {
+    const auto& attention = dense->self_attn->options;
+    self_attn = register_module(
+        "self_attn",
+        tp::ParallelSelfAttentionImpl::from_dense(
+            dense->self_attn,
+            tp::ParallelSelfAttentionOptions(attention.embed_dim(), attention.num_heads())
+                .bias(false)
+                .group(this->group)));
+    norm1 = register_module("norm1", copy_norm(dense->norm1));
+    norm2 = register_module("norm2", copy_norm(dense->norm2));
+    moe = register_module("moe",
+                          torch_mp::moe::MoEImpl::from_dense(dense->moe, std::move(expert_group)));
+  }
+
+  std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& input) {
+    const auto x = input + self_attn->forward(normed(norm1, input), {}, /*is_causal=*/true);
+    const auto [y, aux_loss] = moe->forward(normed(norm2, x));
+    return {x + y, aux_loss};
+  }
+
+  torch::Tensor normed(const torch_mp::dense::LayerNorm& norm, const torch::Tensor& x) const {
+    return tp::layer_norm(x, norm->weight, norm->bias, norm->options.eps(), false, group);
+  }
+
+  static torch_mp::dense::LayerNorm copy_norm(const torch_mp::dense::LayerNorm& dense) {
+    torch_mp::dense::LayerNorm norm(dense->options);
+    torch::NoGradGuard no_grad;
+    norm->weight.copy_(dense->weight);
+    return norm;
+  }
+
+  torch_mp::GroupPtr group;
+  tp::ParallelSelfAttention self_attn = nullptr;
+  torch_mp::dense::LayerNorm norm1 = nullptr, norm2 = nullptr;
+  torch_mp::moe::MoE moe = nullptr;
+};
+TORCH_MODULE(ParallelMoeLayer);
+
 /// One pipeline stage of DenseGpt, tensor-parallel: layers [first_layer, first_layer + count),
 /// plus the embeddings on the first stage and the final norm and (tied) head on the last. The
 /// first stage takes [b, s] token ids; stages pass [s, b, h] activations ([s / t, b, h] under
@@ -228,6 +338,11 @@ inline torch::Tensor dense_loss(const torch::Tensor& logits, const torch::Tensor
 /// logits, for loss(). With a `context_group` the first stage keeps this rank's part of the
 /// tokens and positions (s above is the part's s / cp), the layers' attention meets the other
 /// parts by `context_method`, and loss() takes the whole targets and keeps the same part.
+///
+/// With MoE layers (Config::moe_experts; their experts over `expert_group`, the default mesh's
+/// ep_group when null) every stage also passes on the sum of the load-balancing losses so far, a
+/// scalar: forward_all takes and returns {x, aux_loss} ({tokens} into the first stage), and
+/// loss() adds it. Sequence and context parallelism and recomputation are refused with them.
 struct GptStageImpl : torch::nn::Module {
   GptStageImpl(const DenseGpt& dense,
                int64_t first_layer,
@@ -238,14 +353,21 @@ struct GptStageImpl : torch::nn::Module {
                torch_mp::GroupPtr group,
                const std::string& recompute = "",
                torch_mp::GroupPtr context_group = nullptr,
-               const std::string& context_method = "ring")
+               const std::string& context_method = "ring",
+               torch_mp::GroupPtr expert_group = nullptr)
       : first(first),
         last(last),
         sequence_parallel(sequence_parallel),
+        moe(dense->config.moe_experts > 0),
         first_layer(first_layer),
         vocab(dense->config.vocab),
         group(std::move(group)),
         context_group(std::move(context_group)) {
+    if (moe && (sequence_parallel || this->context_group || !recompute.empty())) {
+      throw std::invalid_argument(
+          "GptStage: MoE layers do not support sequence parallelism, context parallelism or "
+          "recomputation yet");
+    }
     if (first) {
       tok = register_module("tok",
                             tp::VocabParallelEmbeddingImpl::from_dense(dense->tok, this->group));
@@ -264,7 +386,11 @@ struct GptStageImpl : torch::nn::Module {
                              .context_group(this->context_group)
                              .context_method(context_method);
     for (int64_t i = first_layer; i < first_layer + count; ++i) {
-      layers->push_back(tp::ParallelTransformerLayerImpl::from_dense(dense->layer(i), options));
+      if (moe) {
+        layers->push_back(ParallelMoeLayer(dense->moe_layer(i), this->group, expert_group));
+      } else {
+        layers->push_back(tp::ParallelTransformerLayerImpl::from_dense(dense->layer(i), options));
+      }
     }
     if (last) {
       norm = register_module("norm", torch_mp::dense::LayerNorm(dense->norm->options));
@@ -280,10 +406,19 @@ struct GptStageImpl : torch::nn::Module {
     }
   }
 
+  /// Without MoE layers: [b, s] tokens or [s, b, h] in, one tensor out.
   torch::Tensor forward(const torch::Tensor& input) {
-    auto x = input;
+    TORCH_CHECK(!moe, "GptStage: a stage with MoE layers runs through forward_all");
+    return forward_all({input})[0];
+  }
+
+  /// The stage on its inputs ({tokens} or {x}, with MoE layers {x, aux_loss} after the first):
+  /// {x}, or {x, aux_loss} with MoE layers.
+  std::vector<torch::Tensor> forward_all(const std::vector<torch::Tensor>& inputs) {
+    auto x = inputs.at(0);
+    auto aux_loss = moe ? (first ? torch::zeros({}) : inputs.at(1)) : torch::Tensor();
     if (first) {
-      auto tokens = input.t();
+      auto tokens = x.t();
       auto positions = torch::arange(tokens.size(0));
       if (context_group) {  // this rank's part of the sequence, from here to the loss
         positions = torch_mp::context_parallel::sequence_positions(
@@ -299,17 +434,31 @@ struct GptStageImpl : torch::nn::Module {
       }
     }
     for (const auto& layer : *layers) {
-      x = layer->as<tp::ParallelTransformerLayerImpl>()->forward(x, {}, /*is_causal=*/true);
+      if (moe) {
+        auto [y, layer_aux] = layer->as<ParallelMoeLayerImpl>()->forward(x);
+        x = y;
+        aux_loss = aux_loss + layer_aux;
+      } else {
+        x = layer->as<tp::ParallelTransformerLayerImpl>()->forward(x, {}, /*is_causal=*/true);
+      }
     }
-    if (!last) {
-      return x;
+    if (last) {
+      auto h = tp::layer_norm(
+          x, norm->weight, norm->bias, norm->options.eps(), sequence_parallel, group);
+      // Into the vocab-parallel head: under sequence parallelism gather the sequence back
+      // (backward reduce-scatters), otherwise copy_to_tp (backward all-reduces).
+      h = sequence_parallel ? torch_mp::gather_from_sp(h, group, 0)
+                            : torch_mp::copy_to_tp(h, group);
+      x = torch::matmul(h, head->weight.t());
     }
-    auto h =
-        tp::layer_norm(x, norm->weight, norm->bias, norm->options.eps(), sequence_parallel, group);
-    // Into the vocab-parallel head: under sequence parallelism gather the sequence back
-    // (backward reduce-scatters), otherwise copy_to_tp (backward all-reduces).
-    h = sequence_parallel ? torch_mp::gather_from_sp(h, group, 0) : torch_mp::copy_to_tp(h, group);
-    return torch::matmul(h, head->weight.t());
+    return moe ? std::vector<torch::Tensor>{x, aux_loss} : std::vector<torch::Tensor>{x};
+  }
+
+  /// The last stage's loss of its outputs (forward_all's: logits, and with MoE layers the
+  /// load-balancing losses, added).
+  torch::Tensor loss(const std::vector<torch::Tensor>& outputs, const torch::Tensor& target) const {
+    const auto ce = loss(outputs.at(0), target);
+    return moe ? ce + outputs.at(1).to(torch::kFloat) : ce;
   }
 
   /// The last stage's loss: vocabulary-parallel cross-entropy against [b, s] targets (under
@@ -340,7 +489,7 @@ struct GptStageImpl : torch::nn::Module {
     return names;
   }
 
-  bool first, last, sequence_parallel;
+  bool first, last, sequence_parallel, moe;
   int64_t first_layer, vocab;
   torch_mp::GroupPtr group, context_group;
   tp::VocabParallelEmbedding tok = nullptr, head = nullptr;

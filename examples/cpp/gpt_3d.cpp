@@ -3,7 +3,7 @@
 //
 //   torchrun --standalone --no-python --nproc-per-node=8 build/examples/cpp/gpt_3d \
 //       --tp 2 --pp 2 --dp 2 --schedule 1f1b [--sequence-parallel] [--steps N] [--check] \
-//       [--cp N [--cp-method ring|all_gather|all_to_all]] \
+//       [--cp N [--cp-method ring|all_gather|all_to_all]] [--moe-experts E [--ep N]] \
 //       [--save-every N --checkpoint DIR] [--resume] [--probe FILE] [--sample N]
 //
 // The model is gpt.h's (torch_mp.models.gpt's twin): token and learned position embeddings,
@@ -21,7 +21,13 @@
 //   batch; torch_mp::clip_grad_norm_ clips by the norm of the whole model;
 // - context (--cp): each sequence split over the context group, each rank holding its
 //   load-balanced part from the embeddings to the loss (the mean over the whole sequence), the
-//   attention meeting the other parts by --cp-method; gradients averaged over data x context.
+//   attention meeting the other parts by --cp-method; gradients averaged over data x context;
+// - experts (--moe-experts E, --ep N): every layer's MLP a mixture of E experts (top
+//   --moe-top-k), spread over expert groups of N data ranks (torch_mp::moe::MoE, tokens moved by
+//   all-to-all); the load-balancing losses ride with the activations into the loss; DataParallel
+//   reduces the experts' gradients over the ranks holding the same experts. Its --check
+//   reference takes each data rank's micro-batch as its own piece (each piece's load-balancing
+//   loss is that of its own tokens, as each rank computes it).
 //
 // With --check every rank also trains the dense model on the whole batch, and after every step
 // takes the stages' parameters (rounding differences would otherwise compound as the model
@@ -68,7 +74,8 @@ constexpr double kLossTolerance = 1e-5, kParameterTolerance = 1e-4;
 constexpr double kBf16LossTolerance = 1e-3, kBf16ParameterTolerance = 1e-2;
 
 struct Args {
-  int64_t tp = 1, pp = 1, dp = -1, cp = 1;
+  int64_t tp = 1, pp = 1, dp = -1, cp = 1, ep = 1;
+  int64_t moe_experts = 0, moe_top_k = 2;
   std::string cp_method = "ring";
   std::string schedule = "1f1b";
   bool sequence_parallel = false;
@@ -94,6 +101,9 @@ Args parse(int argc, char** argv) {
                                            {"--pp", &a.pp},
                                            {"--dp", &a.dp},
                                            {"--cp", &a.cp},
+                                           {"--ep", &a.ep},
+                                           {"--moe-experts", &a.moe_experts},
+                                           {"--moe-top-k", &a.moe_top_k},
                                            {"--batch", &a.batch},
                                            {"--microbatches", &a.microbatches},
                                            {"--seq", &a.seq},
@@ -163,7 +173,9 @@ gpt::Config config_of(const Args& a, int64_t vocab) {
           .hidden = a.hidden,
           .heads = a.heads,
           .ffn = a.ffn,
-          .layers = a.layers};
+          .layers = a.layers,
+          .moe_experts = a.moe_experts,
+          .moe_top_k = a.moe_top_k};
 }
 
 std::string progress(int step, int steps, double loss, double tokens_per_s) {
@@ -321,7 +333,7 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
 int run(int argc, char** argv) {
   const Args a = parse(argc, argv);
   auto options =
-      torch_mp::InitOptions().tp(a.tp).pp(a.pp).cp(a.cp).timeout(std::chrono::seconds(60));
+      torch_mp::InitOptions().tp(a.tp).pp(a.pp).cp(a.cp).ep(a.ep).timeout(std::chrono::seconds(60));
   if (a.dp > 0) {
     options.dp(a.dp);
   }
@@ -353,7 +365,8 @@ int run(int argc, char** argv) {
                      mesh->tp_group,
                      a.recompute,
                      a.cp > 1 ? mesh->cp_group : nullptr,
-                     a.cp_method);
+                     a.cp_method,
+                     mesh->ep_group);
   const int zero = a.bf16 ? 2 : a.zero;
   // Parameters are replicated over data x context ranks (dp_group when cp = 1).
   auto data_parallel = torch_mp::DataParallelOptions().group(mesh->dp_cp_group);
@@ -363,10 +376,19 @@ int run(int argc, char** argv) {
     data_parallel.grad_dtype(torch::kFloat);
   }
   torch_mp::DataParallel wrapped(mine, data_parallel);
+  // The stage as the pipeline runs it: forward_all (one tensor or, with MoE layers, the
+  // activations and the load-balancing loss so far), the gradient reduction armed once per step.
+  const torch_mp::pipeline::Stage pipeline_stage{
+      [wrapped, mine](const std::vector<at::Tensor>& inputs) mutable {
+        wrapped->prepare_for_forward();
+        return mine->forward_all(inputs);
+      },
+      mine->parameters(),
+      [wrapped]() mutable { wrapped->prepare_for_backward(); }};
   torch_mp::pipeline::Pipeline pipe(
-      {torch_mp::pipeline::stage_of(wrapped)},
-      [mine](const std::vector<at::Tensor>& logits, const std::vector<at::Tensor>& target) {
-        return mine->loss(logits[0], target[0]);
+      {pipeline_stage},
+      [mine](const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& target) {
+        return mine->loss(outputs, target[0]);
       },
       torch_mp::pipeline::PipelineOptions()
           .schedule(a.schedule)
@@ -396,7 +418,7 @@ int run(int argc, char** argv) {
   if (is_rank0) {
     std::printf(
         "gpt_3d: %lld layers of hidden size %lld, vocabulary %lld: tp=%lld x pp=%lld x "
-        "dp=%lld%s ranks, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s%s\n",
+        "dp=%lld%s%s ranks%s, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s%s\n",
         static_cast<long long>(a.layers),
         static_cast<long long>(a.hidden),
         static_cast<long long>(config.vocab),
@@ -404,6 +426,11 @@ int run(int argc, char** argv) {
         static_cast<long long>(mesh->pp_size()),
         static_cast<long long>(mesh->dp_size()),
         a.cp > 1 ? (" x cp=" + std::to_string(a.cp) + " (" + a.cp_method + ")").c_str() : "",
+        a.moe_experts > 0 ? (" x ep=" + std::to_string(a.ep)).c_str() : "",
+        a.moe_experts > 0 ? (", MoE layers of " + std::to_string(a.moe_experts) + " experts (top " +
+                             std::to_string(a.moe_top_k) + ")")
+                                .c_str()
+                          : "",
         a.schedule.c_str(),
         a.sequence_parallel ? "on" : "off",
         zero > 0 ? (zero > 1 ? ", AdamW and gradients sharded over the data ranks"
@@ -457,8 +484,18 @@ int run(int argc, char** argv) {
       auto& r = *reference;
       r.optimizer->zero_grad();
       r.model->zero_grad();
-      const auto expected = gpt::dense_loss(r.model->forward(inputs), target);
-      expected.backward();
+      // With MoE layers each data rank's micro-batch is a piece of its own (its load-balancing
+      // loss that of its own tokens); the loss is the pieces' mean.
+      const int64_t pieces = a.moe_experts > 0 ? mesh->dp_size() * a.microbatches : 1;
+      double expected = 0.0;
+      for (int64_t i = 0; i < pieces; ++i) {
+        const auto piece = inputs.chunk(pieces)[i];
+        auto [logits, aux_loss] = r.model->forward_with_aux(piece);
+        const auto part = (gpt::dense_loss(logits, target.chunk(pieces)[i]) + aux_loss) /
+                          static_cast<double>(pieces);
+        part.backward();
+        expected += part.item<double>();
+      }
       if (r.bf16) {
         for (size_t i = 0; i < r.params.size(); ++i) {
           r.masters[i].mutable_grad() = r.params[i].grad().to(torch::kFloat);
@@ -473,7 +510,7 @@ int run(int argc, char** argv) {
           r.params[i].copy_(r.masters[i]);
         }
       }
-      worst_loss = std::max(worst_loss, std::abs(value - expected.item<double>()));
+      worst_loss = std::max(worst_loss, std::abs(value - expected));
       // Collectives: compare the token table, then start the next step from the same weights.
       worst_table = std::max(worst_table, table_difference(mine, r.model));
       if (step < a.steps) {
@@ -481,7 +518,7 @@ int run(int argc, char** argv) {
         r.refresh_masters();
       }
       char text[64];
-      std::snprintf(text, sizeof(text), "  (one process: %.4f)", expected.item<double>());
+      std::snprintf(text, sizeof(text), "  (one process: %.4f)", expected);
       line += text;
     }
     if (is_rank0) {

@@ -27,6 +27,13 @@ package) with AdamW (warm-up, then cosine decay) and gradient clipping
   holding its load-balanced part (two chunks of ``s / (2 cp)``) from the embeddings to the loss;
   only attention meets the other parts, by ``--cp-method`` (ring by default). The loss is the mean
   over the whole sequence, and the gradients are averaged over data x context ranks.
+- Experts (``--moe-experts E``, ``--ep N``): every layer's MLP is a mixture of E experts (top
+  ``--moe-top-k``), spread over expert groups of N data ranks (``torch_mp.moe.MoE``: tokens go to
+  their experts' ranks by all-to-all and come back the same way). The layers' load-balancing
+  losses ride with the activations through the stages into the loss; ``torch_mp.DataParallel``
+  reduces the experts' gradients over the ranks holding the same experts. The one-process
+  reference takes each data rank's micro-batch as its own piece, since a load-balancing loss is
+  that of the tokens it is computed on.
 - Activation recomputation (``--recompute full|selective``): each layer keeps only its input
   and runs again in the backward, or recomputes its attention core only, with the same dropout
   masks: the same gradients, less activation memory.
@@ -40,6 +47,8 @@ Run on CPU with Gloo (tp * pp * dp processes)::
 
     torchrun --standalone --nproc-per-node=8 examples/python/gpt_3d.py \\
         --tp 2 --pp 2 --dp 2 --schedule 1f1b --check
+    torchrun --standalone --nproc-per-node=8 examples/python/gpt_3d.py \\
+        --pp 2 --dp 4 --moe-experts 8 --ep 2 --check
 
 Killed and relaunched, it continues from its last checkpoint (``--fail-at-step`` kills rank 1
 once, to try it, when the last checkpoint is on disk)::
@@ -102,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="ring",
         choices=list(torch_mp.context_parallel.METHODS),
         help="how the context ranks' attention meets the other parts",
+    )
+    parser.add_argument(
+        "--moe-experts", type=int, default=0, help="experts per MoE layer (0: dense MLPs)"
+    )
+    parser.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel ranks (divides the data ranks)"
     )
     parser.add_argument("--schedule", default="1f1b", choices=pipeline.schedule_names())
     parser.add_argument("--sequence-parallel", action="store_true")
@@ -167,7 +183,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def config_of(args: argparse.Namespace, vocab: int) -> GPTConfig:
-    return GPTConfig(vocab, args.seq, args.hidden, args.heads, args.ffn, args.layers)
+    return GPTConfig(
+        vocab,
+        args.seq,
+        args.hidden,
+        args.heads,
+        args.ffn,
+        args.layers,
+        moe_experts=args.moe_experts,
+        moe_top_k=args.moe_top_k,
+    )
 
 
 def options_of(args: argparse.Namespace) -> TrainingOptions:
@@ -235,19 +260,26 @@ def show_sample(trainer: Trainer3D, config: GPTConfig, corpus: Corpus, args) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    mesh = torch_mp.init(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, backend="gloo", timeout=60)
+    mesh = torch_mp.init(
+        tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep, backend="gloo", timeout=60
+    )
     rank = dist.get_rank()
     corpus = Corpus()
     torch.manual_seed(args.seed)  # the same dense model on every rank
     dense = DenseGPT(config_of(args, corpus.vocab))
     options = options_of(args)
-    reference = DenseTrainer(copy.deepcopy(dense), options) if args.check else None
+    pieces = mesh.dp_size * args.microbatches  # (each its own load-balancing loss, with MoE)
+    reference = DenseTrainer(copy.deepcopy(dense), options, pieces) if args.check else None
     trainer = Trainer3D(dense, mesh, options)
     if rank == 0:
+        moe = f"MoE layers of {args.moe_experts} experts (top {args.moe_top_k}), "
+        moe = moe if args.moe_experts else ""
         print(
             f"GPT, {args.layers} layers of hidden size {args.hidden}, vocabulary {corpus.vocab}: "
             f"tp={mesh.tp_size} x pp={mesh.pp_size} x dp={mesh.dp_size}"
-            f"{f' x cp={mesh.cp_size} ({args.cp_method})' if mesh.cp_size > 1 else ''} ranks, "
+            f"{f' x cp={mesh.cp_size} ({args.cp_method})' if mesh.cp_size > 1 else ''}"
+            f"{f' x ep={mesh.ep_size}' if args.moe_experts else ''} ranks, "
+            f"{moe}"
             f"schedule {args.schedule}, "
             f"sequence parallel {'on' if args.sequence_parallel else 'off'}, "
             f"{'DistributedDataParallel' if args.ddp else 'torch_mp.DataParallel'}"

@@ -39,23 +39,26 @@ at::Tensor upstream_of(int64_t rank) {
 }
 
 /// The same dense module on every thread-rank (drawn from a seed, not the shared generator).
-dense::MoE seeded_dense(std::optional<double> capacity_factor) {
-  dense::MoE moe(dense::MoEOptions(kHidden, kFfn, kExperts).capacity_factor(capacity_factor));
+dense::MoE seeded_dense(std::optional<double> capacity_factor,
+                        const std::string& activation = "gelu") {
+  dense::MoE moe(dense::MoEOptions(kHidden, kFfn, kExperts)
+                     .capacity_factor(capacity_factor)
+                     .activation(activation));
   tp_testing::randomise_parameters(*moe, 31, 0.5);
   return moe;
 }
 
-// (ep, capacity factor)
-using MoECase = std::tuple<int, std::optional<double>>;
+// (ep, capacity factor, activation)
+using MoECase = std::tuple<int, std::optional<double>, std::string>;
 
 class ExpertParallel : public ::testing::TestWithParam<MoECase> {};
 
 TEST_P(ExpertParallel, EqualsTheDenseModuleOnEachRanksTokens) {
-  const auto& [ep, capacity_factor] = GetParam();
+  const auto& [ep, capacity_factor, activation] = GetParam();
   auto options = testing::test_options(1);
   options.ep(ep);
   testing::run_on_mesh(ep, options, [&](const Mesh& mesh) {
-    auto reference = seeded_dense(capacity_factor);
+    auto reference = seeded_dense(capacity_factor, activation);
     auto parallel = MoEImpl::from_dense(reference, mesh.ep_group);
     ASSERT_EQ(parallel->experts->num_experts, kExperts / ep);
     at::Tensor total;
@@ -98,13 +101,26 @@ TEST_P(ExpertParallel, EqualsTheDenseModuleOnEachRanksTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts,
                          ExpertParallel,
-                         ::testing::Values(MoECase{2, std::nullopt},
-                                           MoECase{4, std::nullopt},
-                                           MoECase{2, 0.75}),
+                         ::testing::Values(MoECase{2, std::nullopt, "gelu"},
+                                           MoECase{4, std::nullopt, "gelu"},
+                                           MoECase{2, 0.75, "gelu"},
+                                           MoECase{2, std::nullopt, "swiglu"}),
                          [](const ::testing::TestParamInfo<MoECase>& info) {
                            return "ep" + std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) ? "_capacity" : "_dropless");
+                                  (std::get<1>(info.param) ? "_capacity_" : "_dropless_") +
+                                  std::get<2>(info.param);
                          });
+
+TEST(Experts, SwigluIsTheGatedUnitOfTheTwoHalvesOfFc1) {
+  dense::Experts experts(kHidden, kFfn, 2, "swiglu");
+  ASSERT_EQ(experts->fc1_weight.sizes(), (std::vector<int64_t>{2, 2 * kFfn, kHidden}));
+  const auto x = at::randn({5, kHidden}, seeded_generator(3));
+  const auto w1 = experts->fc1_weight[1];
+  const auto gate = at::matmul(x, w1.narrow(0, 0, kFfn).t());
+  const auto up = at::matmul(x, w1.narrow(0, kFfn, kFfn).t());
+  const auto want = at::matmul(at::silu(gate) * up, experts->fc2_weight[1].t());
+  EXPECT_TRUE(testing::all_close(experts->expert(1, x), want, 1e-6, 1e-6));
+}
 
 TEST(ExpertParallel, DataParallelReducesExpertGradientsOverTheExpertDataGroup) {
   // dp 4, ep 2: experts reduced over [0 2] and [1 3], divided by 4; the router over all four.

@@ -119,6 +119,28 @@ def test_gpt_3d_example_with_context_parallelism_matches_one_process():
     assert ": OK" in stdout
 
 
+def test_gpt_3d_example_with_moe_layers_matches_one_process():
+    # Every layer's MLP 8 experts over expert groups of 2, in 2 pipeline stages (the
+    # load-balancing losses cross them): --check fails the run unless every step agrees.
+    stdout = _run_example(
+        "gpt_3d.py",
+        4,
+        *("--pp", "2", "--moe-experts", "8", "--ep", "2", "--steps", "3", "--check"),
+        *("--sample", "0", "--hidden", "32", "--ffn", "64", "--batch", "8"),
+    )
+    assert "tp=1 x pp=2 x dp=2 x ep=2 ranks, MoE layers of 8 experts (top 2)" in stdout
+    assert "step 3/3  loss" in stdout
+
+
+def test_mixtral_moe_example_matches_one_process():
+    # A Hugging Face Mixtral (8 SiLU-gated experts per layer, its load-balancing loss on)
+    # through parallelize: attention over tp 2, experts over ep 2, DataParallel over dp 2.
+    pytest.importorskip("transformers")
+    stdout = _run_example("mixtral_moe.py", 4, "--tp", "2", "--ep", "2", "--steps", "3", "--check")
+    assert "tp=2 x dp=2 ranks, ep=2 (4 of 8 experts per rank, top 2)" in stdout
+    assert "step 3/3" in stdout
+
+
 def test_llama_example_with_the_memory_savers_matches_one_process():
     # A Hugging Face Llama from a small config, parallelize'd over tp 2 x dp 2, in bf16 with fp32
     # main gradients and masters, ZeRO-2 and recomputed decoder layers: --check fails the run

@@ -34,8 +34,8 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
 BATCH = 4
 
 
-def _config(vocab: int, heads: int = 2) -> GPTConfig:
-    return GPTConfig(vocab, seq=8, hidden=16, heads=heads, ffn=32)
+def _config(vocab: int, heads: int = 2, moe_experts: int = 0) -> GPTConfig:
+    return GPTConfig(vocab, seq=8, hidden=16, heads=heads, ffn=32, moe_experts=moe_experts)
 
 
 def _gradients(trainer: Trainer3D) -> dict[str, torch.Tensor]:
@@ -60,6 +60,8 @@ def _train_3d(
     recompute: str | None = None,
     cp: int = 1,
     context_method: str = "ring",
+    ep: int = 1,
+    moe_experts: int = 0,
 ) -> None:
     options = TrainingOptions(
         schedule=schedule,
@@ -70,12 +72,12 @@ def _train_3d(
         zero=zero,
         context_method=context_method,
     )
-    mesh = use_mesh(tp, pp, cp)
+    mesh = use_mesh(tp, pp, cp, ep)
     corpus = Corpus()
-    config = _config(corpus.vocab)
+    config = _config(corpus.vocab, moe_experts=moe_experts)
     torch.manual_seed(0)
     model = DenseGPT(config)
-    reference = DenseTrainer(copy.deepcopy(model), options)
+    reference = DenseTrainer(copy.deepcopy(model), options, mesh.dp_size * options.microbatches)
     trainer = Trainer3D(model, mesh, options)
     mine = slice(mesh.dp_rank * BATCH, (mesh.dp_rank + 1) * BATCH)
     for step in range(1, 6):
@@ -151,41 +153,90 @@ def test_gpt_with_context_parallelism_equals_one_process(
     world8.run(_train_3d, tp, pp, schedule, sequence_parallel, ddp, zero, None, cp, method)
 
 
+@pytest.mark.parametrize(
+    "tp, pp, ep, world, schedule",
+    [(1, 2, 2, 4, "1f1b"), (2, 1, 2, 8, "gpipe"), (1, 2, 2, 8, "zb_h1")],
+    ids=["tp1-pp2-dp2-ep2", "tp2-pp1-dp4-ep2", "tp1-pp2-dp4-ep2-zb"],
+)
+def test_gpt_with_moe_layers_equals_one_process(tp, pp, ep, world, schedule):
+    # Every layer's MLP a mixture of 4 experts (top 2) spread over the expert group; the
+    # load-balancing losses ride with the activations through the stages into the loss. The
+    # reference takes each data rank's micro-batch as its own piece (their aux losses are those
+    # of their own tokens).
+    from conftest import get_world
+
+    get_world(world).run(_train_3d, tp, pp, schedule, False, False, 0, None, 1, "ring", ep, 4)
+
+
+def _refuse_moe(what: str) -> str:
+    mesh = use_mesh(1, 2, 1, 2)
+    config = _config(Corpus().vocab, moe_experts=4)
+    torch.manual_seed(0)
+    options = {
+        "ddp": TrainingOptions(ddp=True),
+        "zero": TrainingOptions(zero=1),
+        "sequence parallel": TrainingOptions(sequence_parallel=True),
+    }[what]
+    try:
+        Trainer3D(DenseGPT(config), mesh, options)
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("ddp", "DDP would average different experts' gradients"),
+        ("zero", "expert parameters"),
+        ("sequence parallel", "MoE layers do not support sequence parallelism"),
+    ],
+)
+def test_gpt_with_moe_layers_refuses_what_it_cannot_do_exactly(what, message, world8):
+    for error in world8.run(_refuse_moe, what):
+        assert message in error, error
+
+
 # ---- Checkpoints across layouts -------------------------------------------------------------
 
 GLOBAL_BATCH = 8
 
 
-def _trainer(tp: int, pp: int, seed: int, cp: int = 1):
-    """A GPT trainer at (tp, pp, cp) with dp = world / (tp pp cp), each data rank's batch such
-    that the global batch is the same at every layout."""
-    mesh = use_mesh(tp, pp, cp)
+def _trainer(tp: int, pp: int, seed: int, cp: int = 1, ep: int = 1, experts: int = 0):
+    """A GPT trainer at (tp, pp, cp, ep) with dp = world / (tp pp cp), each data rank's batch
+    such that the global batch is the same at every layout (``experts``: MoE layers)."""
+    mesh = use_mesh(tp, pp, cp, ep)
     batch = GLOBAL_BATCH // mesh.dp_size
     options = TrainingOptions(microbatches=min(2, batch))
     corpus = Corpus()
-    config = _config(corpus.vocab, heads=4)
+    config = _config(corpus.vocab, heads=4, moe_experts=experts)
     torch.manual_seed(seed)
     trainer = Trainer3D(DenseGPT(config), mesh, options)
     return trainer, config, options, corpus, mesh, batch
 
 
-def _train_and_save(tp: int, pp: int, path: str, cp: int = 1) -> None:
-    trainer, config, _, corpus, mesh, batch = _trainer(tp, pp, seed=0, cp=cp)
+def _train_and_save(tp: int, pp: int, path: str, cp: int = 1, ep: int = 1, experts: int = 0):
+    trainer, config, _, corpus, mesh, batch = _trainer(tp, pp, 0, cp, ep, experts)
     inputs, target = corpus.batch(1, GLOBAL_BATCH, config.seq)
     mine = slice(mesh.dp_rank * batch, (mesh.dp_rank + 1) * batch)
     trainer.step(inputs[mine], target[mine])
     trainer.save(path, step=1)
 
 
-def _load_and_continue(tp: int, pp: int, path: str, cp: int = 1) -> tuple[float, float, float]:
-    """Loads at (tp, pp, cp) a model of other values, takes step 2; returns its loss, the
-    uninterrupted one-process run's, and the worst parameter difference after it."""
-    trainer, config, options, corpus, mesh, batch = _trainer(tp, pp, seed=1, cp=cp)
+def _load_and_continue(
+    tp: int, pp: int, path: str, cp: int = 1, ep: int = 1, experts: int = 0, saved_pieces: int = 1
+) -> tuple[float, float, float]:
+    """Loads at (tp, pp, cp, ep) a model of other values, takes step 2; returns its loss, the
+    uninterrupted one-process run's, and the worst parameter difference after it. With MoE
+    layers the reference takes step 1 in the saving run's ``saved_pieces`` (data ranks x
+    micro-batches) and step 2 in this run's."""
+    trainer, config, options, corpus, mesh, batch = _trainer(tp, pp, 1, cp, ep, experts)
     step = trainer.load(path)
     assert step == 1
     torch.manual_seed(0)
-    reference = DenseTrainer(DenseGPT(config), options)
+    reference = DenseTrainer(DenseGPT(config), options, saved_pieces)
     reference.step(*corpus.batch(1, GLOBAL_BATCH, config.seq))
+    reference.chunks = mesh.dp_size * options.microbatches
     inputs, target = corpus.batch(2, GLOBAL_BATCH, config.seq)
     mine = slice(mesh.dp_rank * batch, (mesh.dp_rank + 1) * batch)
     loss = trainer.step(inputs[mine], target[mine])
@@ -225,5 +276,23 @@ def test_checkpoints_cross_context_parallel_layouts(saved, loaded, tmp_path):
     get_world(world).run(_train_and_save, tp, pp, path, cp)
     tp, pp, cp, world = loaded
     for loss, expected, worst in get_world(world).run(_load_and_continue, tp, pp, path, cp):
+        assert abs(loss - expected) <= 1e-5 * abs(expected) + 1e-6, (loss, expected)
+        assert worst <= PARAMETER_TOLERANCE, worst
+
+
+@pytest.mark.parametrize(
+    "loaded", [(1, 1, 4, 4), (2, 1, 1, 4), (1, 2, 1, 2)], ids=["ep4", "tp2-ep1", "pp2-ep1"]
+)
+def test_a_gpt_with_moe_layers_saved_at_ep2_continues_at_any_ep(loaded, tmp_path):
+    # Saved at (tp, pp, dp, ep) = (1, 2, 4, 2) (8 pieces of the batch: 4 data ranks x 2
+    # micro-batches); loaded at (tp, pp, ep, world) = (1, 1, 4, 4), (2, 1, 1, 4), (1, 2, 1, 2):
+    # the experts are stored in their dense names, so the next step equals the uninterrupted run.
+    from conftest import get_world
+
+    path = str(tmp_path / "ckpt")
+    get_world(8).run(_train_and_save, 1, 2, path, 1, 2, 4)
+    tp, pp, ep, world = loaded
+    results = get_world(world).run(_load_and_continue, tp, pp, path, 1, ep, 4, 8)
+    for loss, expected, worst in results:
         assert abs(loss - expected) <= 1e-5 * abs(expected) + 1e-6, (loss, expected)
         assert worst <= PARAMETER_TOLERANCE, worst

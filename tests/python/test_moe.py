@@ -67,7 +67,20 @@ CASES = {
         "capacity_factor": 1.0,
         "bias": True,
     },
+    "softmax-top2-swiglu": {"top_k": 2, "activation": "swiglu"},
 }
+
+
+def test_swiglu_experts_are_the_gated_unit_of_the_two_halves_of_fc1():
+    torch.manual_seed(0)
+    experts = dense.Experts(HIDDEN, FFN, 2, "swiglu", bias=True)
+    assert experts.fc1_weight.shape == (2, 2 * FFN, HIDDEN)
+    x = torch.randn(5, HIDDEN)
+    w1, b1 = experts.fc1_weight[1], experts.fc1_bias[1]
+    gate = x @ w1[:FFN].T + b1[:FFN]
+    up = x @ w1[FFN:].T + b1[FFN:]
+    want = (torch.nn.functional.silu(gate) * up) @ experts.fc2_weight[1].T + experts.fc2_bias[1]
+    torch.testing.assert_close(experts.expert(1, x), want)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -311,3 +324,97 @@ def _clipped(tp: int, ep: int) -> None:
 )
 def test_clip_grad_norm_counts_every_expert_once(world, tp, ep):
     get_world(world).run(_clipped, tp, ep)
+
+
+# ---- Hugging Face Mixtral through parallelize ----------------------------------------------
+
+
+def _mixtral(tp: int, ep: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    from torch_mp import checkpoint
+    from torch_mp.parallelize import MIXTRAL_PLAN
+
+    mesh = use_mesh(tp, 1, 1, ep)
+    torch.manual_seed(3)
+    config = transformers.MixtralConfig(
+        vocab_size=96,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        output_router_logits=True,  # the model's load-balancing loss joins its loss
+        router_aux_loss_coef=0.02,
+        attn_implementation="eager",
+    )
+    reference = transformers.MixtralForCausalLM(config)
+    parallel = torch_mp.parallelize(copy.deepcopy(reference), plan=MIXTRAL_PLAN)
+    blocks = [m for m in parallel.modules() if isinstance(m, torch_mp.moe.MoE)]
+    assert len(blocks) == 2 and all(b.experts.num_experts == 4 // ep for b in blocks)
+    trained = torch_mp.DataParallel(parallel)  # the router over the data group, experts not
+
+    # Each data rank its own batch; the one-process model the mean of their losses.
+    def batch(d):
+        return torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(10 + d))
+
+    losses = [reference(input_ids=batch(d), labels=batch(d)).loss for d in range(mesh.dp_size)]
+    (sum(losses) / len(losses)).backward()
+    mine = batch(mesh.dp_rank)
+    loss = trained(input_ids=mine, labels=mine).loss
+    assert_close(loss, losses[mesh.dp_rank].detach(), "loss (with the load-balancing loss)")
+    loss.backward()
+    for model in (reference, parallel):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+    expected = reference.state_dict()
+    got = checkpoint.dense_state_dict(parallel)  # the block's own names, experts gathered
+    assert sorted(got) == sorted(expected), set(got) ^ set(expected)
+    for name, value in expected.items():
+        assert_close(got[name], value, f"{name} after a step", GRAD_ATOL)
+
+
+@pytest.mark.parametrize(
+    "tp, ep, world",
+    [(1, 2, 2), (1, 4, 4), (1, 2, 4), (2, 2, 4)],
+    ids=["ep2", "ep4", "dp4-ep2", "tp2-ep2"],
+)
+def test_a_mixtral_through_parallelize_equals_the_dense_model(tp, ep, world):
+    get_world(world).run(_mixtral, tp, ep)
+
+
+def _mixtral_refusals() -> dict[str, str | None]:
+    transformers = pytest.importorskip("transformers")
+    from torch_mp.parallelize import MIXTRAL_PLAN
+
+    use_mesh(1, 1, 1, 2)
+    out = {}
+    for name, change in {
+        "jitter": {"router_jitter_noise": 0.1},
+        "gelu": {"hidden_act": "gelu"},
+        "3 experts": {"num_local_experts": 3},
+    }.items():
+        sizes = {
+            "vocab_size": 32,
+            "hidden_size": 8,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+        }
+        config = transformers.MixtralConfig(**{**sizes, **change})
+        out[name] = error_of(
+            lambda config=config: torch_mp.parallelize(
+                transformers.MixtralForCausalLM(config), plan=MIXTRAL_PLAN
+            )
+        )
+    return out
+
+
+def test_parallelize_refuses_mixtral_blocks_it_cannot_split_exactly():
+    for errors in get_world(2).run(_mixtral_refusals):
+        assert "router_jitter_noise = 0.1" in errors["jitter"], errors
+        assert "must be SiLU-gated" in errors["gelu"], errors
+        assert "3 experts cannot be split over an expert group of 2" in errors["3 experts"], errors

@@ -13,6 +13,11 @@ its part of every sequence (load-balanced, :func:`torch_mp.context_parallel.shar
 the embeddings to the loss, which is the mean over the whole sequence. The first stage holds the
 embeddings, the last the final norm and the head, a copy of the embedding tied to it across the
 pipeline (or the embedding itself when one stage holds both).
+
+With ``GPTConfig.moe_experts`` every layer's MLP is a mixture of experts (:class:`MoELayer`,
+:class:`torch_mp.dense.MoE`), its experts spread over the mesh's expert group in the stages
+(:class:`ParallelMoELayer`, :class:`torch_mp.moe.MoE`). The layers' load-balancing losses travel
+with the activations from stage to stage and join the loss at the end.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ __all__ = [
     "DenseGPT",
     "GPTConfig",
     "GPTStage",
+    "MoELayer",
+    "ParallelMoELayer",
     "build_stages",
     "dense_loss",
     "gpt2_init_std",
@@ -52,7 +59,9 @@ INIT_STD = 0.02
 @dataclass(frozen=True)
 class GPTConfig:
     """The GPT's sizes. ``heads`` and ``ffn`` (and ``seq`` under sequence parallelism) must be
-    divisible by the tensor-parallel size; the vocabulary need not be."""
+    divisible by the tensor-parallel size; the vocabulary need not be. With ``moe_experts``
+    every layer is a :class:`MoELayer` of that many experts of ``ffn`` each, ``moe_top_k`` of
+    them per token (``moe_experts`` divisible by the expert-parallel size)."""
 
     vocab: int
     seq: int = 32
@@ -60,6 +69,8 @@ class GPTConfig:
     heads: int = 4
     ffn: int = 64
     layers: int = 4
+    moe_experts: int = 0
+    moe_top_k: int = 2
 
 
 class Corpus:
@@ -91,17 +102,40 @@ class Corpus:
 def gpt2_init_std(name: str, layers: int) -> float | None:
     """GPT-2's initial standard deviation of the parameter ``name`` of a ``layers``-layer
     :class:`DenseGPT`: 0.02 for the tables and projections, ``0.02 / sqrt(2 * layers)`` for the
-    two projections that end a residual branch (``self_attn.out_proj``, ``linear2``: the residual
-    stream sums ``2 * layers`` of them), None for the LayerNorms (weight 1, bias 0)."""
+    projections that end a residual branch (``self_attn.out_proj``, ``linear2`` or the experts'
+    ``moe.experts.fc2_weight``: the residual stream sums ``2 * layers`` of them), None for the
+    LayerNorms (weight 1, bias 0)."""
     if "norm" in name:
         return None
-    if name.endswith(("self_attn.out_proj.weight", "linear2.weight")):
+    if name.endswith(("self_attn.out_proj.weight", "linear2.weight", "experts.fc2_weight")):
         return INIT_STD / math.sqrt(2 * layers)
     return INIT_STD
 
 
+class MoELayer(nn.Module):
+    """A pre-LN transformer layer whose MLP is a mixture of experts, without biases:
+    ``x + attn(norm1(x))``, then ``+ moe(norm2(x))`` (:class:`torch_mp.dense.MoE`, gelu
+    experts, softmax router). ``forward(x, mask)`` on ``[s, b, h]`` returns ``(x, aux_loss)``:
+    the load-balancing loss of the layer's ``s * b`` tokens."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        h = config.hidden
+        self.self_attn = nn.MultiheadAttention(h, config.heads, bias=False)
+        self.norm1 = nn.LayerNorm(h, bias=False)
+        self.norm2 = nn.LayerNorm(h, bias=False)
+        self.moe = torch_mp.dense.MoE(h, config.ffn, config.moe_experts, config.moe_top_k)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.norm1(x)
+        x = x + self.self_attn(h, h, h, attn_mask=mask, is_causal=True, need_weights=False)[0]
+        y, aux_loss = self.moe(self.norm2(x))
+        return x + y, aux_loss
+
+
 class DenseGPT(nn.Module):
-    """The one-process model, on ``[b, s]`` token ids; returns ``[s, b, vocab]`` logits.
+    """The one-process model, on ``[b, s]`` token ids; returns ``[s, b, vocab]`` logits (and,
+    with ``with_aux_loss``, the sum of the MoE layers' load-balancing losses, 0 without them).
 
     The transformer layers have no biases (as in PaLM or LLaMA). With them, the attention's key
     bias would have a gradient that is exactly zero in exact arithmetic (softmax ignores a
@@ -115,7 +149,9 @@ class DenseGPT(nn.Module):
         self.tok = nn.Embedding(config.vocab, config.hidden)
         self.pos = nn.Embedding(config.seq, config.hidden)
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(
+            MoELayer(config)
+            if config.moe_experts
+            else nn.TransformerEncoderLayer(
                 config.hidden,
                 config.heads,
                 config.ffn,
@@ -133,14 +169,22 @@ class DenseGPT(nn.Module):
                 if std is not None:
                     parameter.normal_(std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, with_aux_loss: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         tokens = tokens.T  # [s, b]
         s = tokens.shape[0]
         x = self.tok(tokens) + self.pos(torch.arange(s))[:, None]
         mask = nn.Transformer.generate_square_subsequent_mask(s)
+        aux_loss = x.new_zeros(())
         for layer in self.layers:
-            x = layer(x, src_mask=mask, is_causal=True)
-        return self.norm(x) @ self.tok.weight.T
+            if isinstance(layer, MoELayer):
+                x, layer_aux = layer(x, mask)
+                aux_loss = aux_loss + layer_aux
+            else:
+                x = layer(x, src_mask=mask, is_causal=True)
+        logits = self.norm(x) @ self.tok.weight.T
+        return (logits, aux_loss) if with_aux_loss else logits
 
 
 @torch.no_grad()
@@ -172,6 +216,32 @@ def dense_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), target.T.flatten())
 
 
+class ParallelMoELayer(SharesGroup, nn.Module):
+    """:class:`MoELayer` sharded: the attention heads over the tensor group
+    (:class:`torch_mp.ParallelSelfAttention`), the experts over the expert group
+    (:class:`torch_mp.moe.MoE`). Every rank of the tensor group runs the mixture on the whole
+    ``[s, b, h]`` (the same tokens, the same experts), so its parameters are replicated over
+    the tensor group and their gradients are the dense ones on each rank.
+    ``forward(x, is_causal=True)`` returns ``(x, aux_loss)`` as the dense layer does."""
+
+    def __init__(
+        self,
+        dense: MoELayer,
+        group: dist.ProcessGroup | None = None,
+        expert_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = torch_mp.ParallelSelfAttention.from_dense(dense.self_attn, group)
+        self.norm1 = torch_mp.tensor_parallel.LayerNorm.from_dense(dense.norm1, group=group)
+        self.norm2 = torch_mp.tensor_parallel.LayerNorm.from_dense(dense.norm2, group=group)
+        self.moe = torch_mp.moe.MoE.from_dense(dense.moe, group=expert_group)
+
+    def forward(self, x: torch.Tensor, is_causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.self_attn(self.norm1(x), is_causal=is_causal)
+        y, aux_loss = self.moe(self.norm2(x))
+        return x + y, aux_loss
+
+
 class GPTStage(SharesGroup, nn.Module):
     """One pipeline stage of ``DenseGPT``, tensor-parallel: layers ``layers`` of the dense model,
     plus the embeddings on the first stage and the final norm and (tied) head on the last.
@@ -182,6 +252,12 @@ class GPTStage(SharesGroup, nn.Module):
     ``context_group`` the first stage keeps this rank's part of the tokens (and of the
     positions), so that ``s`` above is the part's ``s / cp``; :meth:`loss` takes the whole
     targets and keeps the same part.
+
+    With MoE layers (``dense.config.moe_experts``; their experts over ``expert_group``, the
+    default mesh's ``ep_group`` when None) every stage also returns the sum of the
+    load-balancing losses so far, a scalar, and the stages after the first take it as their
+    second input: ``(x, aux_loss)`` in and out, ``loss(logits, aux_loss, target)`` at the end.
+    Sequence and context parallelism and recomputation are refused with them.
     """
 
     def __init__(
@@ -194,17 +270,30 @@ class GPTStage(SharesGroup, nn.Module):
         recompute: str | None = None,
         context_group: dist.ProcessGroup | None = None,
         context_method: str = "ring",
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.first, self.last, self.sequence_parallel = first, last, sequence_parallel
         self.context_group = context_group
         self.vocab = dense.config.vocab
         self.layer_ids = layers
+        self.moe = dense.config.moe_experts > 0
+        if self.moe:
+            refused = {
+                "sequence parallelism": sequence_parallel,
+                "context parallelism": context_group is not None,
+                f"recompute={recompute!r}": recompute is not None,
+            }
+            for setting, given in refused.items():
+                if given:
+                    raise ValueError(f"GPTStage: MoE layers do not support {setting} yet")
         if first:
             self.tok = torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
             self.pos = copy.deepcopy(dense.pos)  # replicated on every rank
         self.layers = nn.ModuleList(
-            torch_mp.ParallelTransformerLayer.from_dense(
+            ParallelMoELayer(dense.layers[i], expert_group=expert_group)
+            if self.moe
+            else torch_mp.ParallelTransformerLayer.from_dense(
                 dense.layers[i],
                 sequence_parallel=sequence_parallel,
                 recompute=recompute,
@@ -222,7 +311,11 @@ class GPTStage(SharesGroup, nn.Module):
             # tied to the first stage's through Pipeline(tied_parameters=...).
             self.head = self.tok if first else torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, aux_loss: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.moe and self.first:
+            aux_loss = torch.zeros(())
         if self.first:
             tokens = x.T
             positions = torch.arange(tokens.shape[0])
@@ -237,29 +330,46 @@ class GPTStage(SharesGroup, nn.Module):
                 # tables the whole sequence's gradient (its backward all-gathers).
                 x = collectives.scatter_to_tp(x, dim=0)
         for layer in self.layers:
-            x = layer(x, is_causal=True)
-        if not self.last:
-            return x
-        h = self.norm(x)
-        # Into the vocab-parallel head: under sequence parallelism gather the sequence back
-        # (backward reduce-scatters), otherwise copy_to_tp (backward all-reduces).
-        h = collectives.gather_from_sp(h) if self.sequence_parallel else collectives.copy_to_tp(h)
-        return h @ self.head.weight.T
+            if self.moe:
+                x, layer_aux = layer(x, is_causal=True)
+                aux_loss = aux_loss + layer_aux
+            else:
+                x = layer(x, is_causal=True)
+        if self.last:
+            h = self.norm(x)
+            # Into the vocab-parallel head: under sequence parallelism gather the sequence back
+            # (backward reduce-scatters), otherwise copy_to_tp (backward all-reduces).
+            h = (
+                collectives.gather_from_sp(h)
+                if self.sequence_parallel
+                else collectives.copy_to_tp(h)
+            )
+            x = h @ self.head.weight.T
+        return (x, aux_loss) if self.moe else x
 
-    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss: vocabulary-parallel cross-entropy against ``[b, s]`` targets
-        (in fp32 whatever the logits' dtype); under context parallelism this rank's part of
-        them, the mean taken over the context group's tokens."""
+    def loss(self, logits: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss, ``loss(logits, target)`` (with MoE layers
+        ``loss(logits, aux_loss, target)``, the load-balancing losses added):
+        vocabulary-parallel cross-entropy against ``[b, s]`` targets (in fp32 whatever the
+        logits' dtype); under context parallelism this rank's part of them, the mean taken over
+        the context group's tokens."""
+        *aux_loss, target = rest
+        if len(aux_loss) != int(self.moe):
+            raise TypeError(
+                "GPTStage.loss takes (logits, aux_loss, target) with MoE layers, "
+                "(logits, target) without"
+            )
         target = target.T
         if self.context_group is not None:
             target = context_parallel.shard_sequence(target, 0, group=self.context_group)
-        return torch_mp.vocab_parallel_cross_entropy(
+        loss = torch_mp.vocab_parallel_cross_entropy(
             logits.float(),
             target,
             vocab_size=self.vocab,
             context_parallel=self.context_group is not None,
             context_group=self.context_group,
         )
+        return loss + aux_loss[0].float() if aux_loss else loss
 
     def dense_names(self) -> dict[str, str]:
         """How this stage's names map to ``DenseGPT``'s, for torch_mp.checkpoint: its layers
@@ -288,7 +398,7 @@ def build_stages(
     ``pp * stages_per_rank`` stages of equal numbers of layers; ``recompute`` the layers'
     activation recomputation (None, ``"full"`` or ``"selective"``). With a context group
     (``mesh.cp_size > 1``) the stages are context-parallel, their attention by
-    ``context_method``."""
+    ``context_method``; with MoE layers, their experts over ``mesh.ep_group``."""
     num_stages = mesh.pp_size * stages_per_rank
     layers = len(dense.layers)
     if layers % num_stages:
@@ -304,6 +414,7 @@ def build_stages(
             recompute=recompute,
             context_group=mesh.cp_group if mesh.cp_size > 1 else None,
             context_method=context_method,
+            expert_group=mesh.ep_group if dense.config.moe_experts else None,
         )
         for s in range(mesh.pp_rank, num_stages, mesh.pp_size)
     ]

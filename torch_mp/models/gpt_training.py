@@ -191,10 +191,15 @@ class Trainer3D:
 class DenseTrainer:
     """The reference: the same model and batches on one process; with ``options.bf16`` the
     same recipe written out: a bf16 model, its gradients in fp32, AdamW on fp32 masters written
-    back rounded."""
+    back rounded.
 
-    def __init__(self, dense: DenseGPT, options: TrainingOptions) -> None:
-        self.model, self.options = dense, options
+    A model with MoE layers takes each batch in ``chunks`` equal pieces, in order, as the data
+    ranks' micro-batches (``dp * microbatches``): the loss is the mean over the pieces of each
+    one's cross-entropy plus its layers' load-balancing losses (which, unlike a mean, do not
+    add up over pieces: each piece's is that of its own tokens, as each rank computes it)."""
+
+    def __init__(self, dense: DenseGPT, options: TrainingOptions, chunks: int = 1) -> None:
+        self.model, self.options, self.chunks = dense, options, chunks
         if options.bf16:
             self.model.to(torch.bfloat16)
         self.params = list(self.model.parameters())
@@ -217,13 +222,24 @@ class DenseTrainer:
     def compute_gradients(self, inputs: torch.Tensor, target: torch.Tensor) -> float:
         self.optimizer.zero_grad()
         self.model.zero_grad()
-        loss = dense_loss(self.model(inputs), target)
-        loss.backward()
+        if self.model.config.moe_experts:
+            loss = 0.0
+            for part, part_target in zip(
+                inputs.chunk(self.chunks), target.chunk(self.chunks), strict=True
+            ):
+                logits, aux_loss = self.model(part, with_aux_loss=True)
+                part_loss = (dense_loss(logits, part_target) + aux_loss) / self.chunks
+                part_loss.backward()
+                loss += part_loss.item()
+        else:
+            loss = dense_loss(self.model(inputs), target)
+            loss.backward()
+            loss = loss.item()
         if self.options.bf16:
             for master, p in zip(self.masters, self.params, strict=True):
                 master.grad = p.grad.float()
         nn.utils.clip_grad_norm_(self.masters, self.options.clip)
-        return loss.item()
+        return loss
 
     def load_parameters(self, state: dict[str, torch.Tensor]) -> None:
         """Takes ``state`` (DenseGPT's names) as its parameters, and its masters from them."""

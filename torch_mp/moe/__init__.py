@@ -98,7 +98,7 @@ class MoE(SharesGroup, nn.Module):
 
     @property
     def num_experts(self) -> int:
-        return self.router.out_features
+        return self.router.weight.shape[0]
 
     def _register_layouts(self) -> None:
         set_layout(self.router.weight, None, self.group)
@@ -180,7 +180,7 @@ def _arguments(moe: nn.Module) -> tuple[tuple, dict]:
     """The constructor arguments of ``moe`` (a :class:`MoE` or :class:`torch_mp.dense.MoE`;
     they hold their settings alike)."""
     experts = moe.experts
-    args = (moe.router.in_features, experts.fc1_weight.shape[1], moe.num_experts, moe.top_k)
+    args = (experts.fc2_weight.shape[1], experts.ffn_hidden_size, moe.num_experts, moe.top_k)
     kwargs = {
         "activation": experts.activation,
         "router": moe.router_kind,

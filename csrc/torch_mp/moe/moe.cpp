@@ -8,12 +8,12 @@
 #include <algorithm>
 #include <vector>
 
-#include "torch_mp/activation.h"
 #include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/moe/dispatch.h"
+#include "torch_mp/moe/experts.h"
 #include "torch_mp/moe/router.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
@@ -50,7 +50,8 @@ std::vector<int64_t> as_vector(const at::Tensor& t) {
 }  // namespace
 
 void check_moe(const dense::MoEOptions& o, const GroupPtr& group) {
-  const std::vector<std::string> routers{"softmax", "sigmoid"}, activations{"gelu", "relu"};
+  const std::vector<std::string> routers{"softmax", "sigmoid"},
+      activations{"gelu", "relu", "swiglu"};
   const auto router = std::find(routers.begin(), routers.end(), o.router()) - routers.begin();
   const auto activation =
       std::find(activations.begin(), activations.end(), o.activation()) - activations.begin();
@@ -72,7 +73,7 @@ void check_moe(const dense::MoEOptions& o, const GroupPtr& group) {
         "capacity, capacity_factor (bits), aux_loss_coef (bits), bias, activation]");
   }
   check_routing(o.num_experts(), o.top_k(), o.router(), o.capacity_factor());
-  check_activation(o.activation());
+  check_expert_activation(o.activation());
   TORCH_CHECK(!group || o.num_experts() % group->getSize() == 0,
               "MoE: num_experts (",
               o.num_experts(),
@@ -114,7 +115,6 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
                 ")");
   }
   const auto tokens = x.reshape({-1, hidden});
-  const int64_t count = tokens.size(0);
   const auto r = route(tokens, p.router_weight, o.top_k(), o.router(), o.capacity_factor());
 
   // The kept choices, sorted by expert (stably: token order within an expert).
@@ -298,14 +298,16 @@ std::tuple<at::Tensor, at::Tensor> moe_op(const at::Tensor& x,
                                           std::optional<double> capacity_factor,
                                           double aux_loss_coef,
                                           c10::string_view group) {
-  const auto options =
-      dense::MoEOptions(router_weight.size(1), fc1_weight.size(1), router_weight.size(0))
-          .top_k(top_k)
-          .activation(std::string(activation))
-          .router(std::string(router))
-          .capacity_factor(capacity_factor)
-          .aux_loss_coef(aux_loss_coef)
-          .bias(fc1_bias.has_value());
+  const std::string kind(activation);
+  const auto options = dense::MoEOptions(router_weight.size(1),
+                                         fc1_weight.size(1) / fc1_rows_per_unit(kind),
+                                         router_weight.size(0))
+                           .top_k(top_k)
+                           .activation(kind)
+                           .router(std::string(router))
+                           .capacity_factor(capacity_factor)
+                           .aux_loss_coef(aux_loss_coef)
+                           .bias(fc1_bias.has_value());
   return moe_forward(x,
                      {router_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias},
                      options,
