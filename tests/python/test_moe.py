@@ -98,6 +98,24 @@ def test_the_dense_module_is_its_definition(case):
         assert not torch.allclose(uncapped(x)[0], y)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_local_experts_run_as_one_grouped_product_where_it_fits(bias):
+    # Without biases (and with 16-byte aligned fp32 rows) the experts' projections are
+    # torch._grouped_mm calls; with biases, one expert after another. Both equal the dense module.
+    torch.manual_seed(0)
+    moe = dense.MoE(HIDDEN, FFN, EXPERTS, bias=bias)
+    x = torch.randn(9, HIDDEN)
+    e = moe.experts
+    with torch.profiler.profile() as profile:
+        y, _ = torch.ops.torch_mp.moe(
+            x, moe.router.weight, e.fc1_weight, e.fc1_bias, e.fc2_weight, e.fc2_bias,
+            2, "gelu", "softmax", None, 0.01, "",
+        )  # fmt: skip
+    grouped = any(event.name == "aten::_grouped_mm" for event in profile.events())
+    assert grouped == (not bias)
+    torch.testing.assert_close(y, moe(x)[0], rtol=1e-5, atol=1e-6)
+
+
 def _tokens(rank: int) -> torch.Tensor:
     """Rank r's tokens: a different number on every rank ([2, 3 + 2r, hidden])."""
     return rank_tensor(1, rank, 2, 3 + 2 * rank, HIDDEN)

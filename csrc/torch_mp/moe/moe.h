@@ -8,7 +8,8 @@
 //   1. route this rank's tokens (router.h): each token's top-k experts, their weights;
 //   2. sort the choices by expert, exchange the counts, and send each token to its experts'
 //      ranks (all_to_all_rows, dispatch.h), once per choice;
-//   3. run the local experts over the tokens they received, one expert after another;
+//   3. run the local experts over the tokens they received (one grouped matrix product per
+//      projection where at::_grouped_mm takes the shapes, else one expert after another);
 //   4. send the results back the way they came, and add them up weighted per token.
 //
 // The backward mirrors it (the all-to-alls' backwards are all-to-alls the other way). aux_loss
