@@ -91,7 +91,7 @@ class Experts(nn.Module):
             raise ValueError(
                 f"Experts: activation must be 'relu', 'gelu' or 'swiglu', got {activation!r}"
             )
-        self.activation, self.ffn_hidden_size = activation, ffn_hidden_size
+        self.activation = activation
         e, h, f = num_experts, hidden_size, ffn_hidden_size
         rows = 2 * f if activation == "swiglu" else f
         self.fc1_weight = nn.Parameter(torch.empty(e, rows, h))
@@ -186,8 +186,10 @@ class MoE(nn.Module):
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For ``tokens`` ``[T, hidden]``: the chosen experts ``[T, k]``, their weights
-        ``[T, k]`` and every expert's probability ``[T, E]`` (for the aux loss)."""
+        ``[T, k]`` and every expert's probability ``[T, E]`` (for the aux loss), in at least fp32
+        (as Mixtral's router: near-ties in bf16 would pick experts by rounding)."""
         logits = self.router(tokens)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.router_kind == "softmax":
             probabilities = logits.softmax(-1)
             scores = probabilities
@@ -212,7 +214,7 @@ class MoE(nn.Module):
             rows, slots = ((chosen == i) & kept).nonzero(as_tuple=True)
             if rows.numel():
                 out = self.experts.expert(i, tokens[rows]) * weights[rows, slots, None]
-                y = y.index_add(0, rows, out)
+                y = y.index_add(0, rows, out.to(y.dtype))
         share = torch.bincount(chosen.flatten(), minlength=e).to(probabilities.dtype)
         share = share / (count * self.top_k)
         aux = self.aux_loss_coef * e * (share * probabilities.mean(0)).sum()

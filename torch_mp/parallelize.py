@@ -341,16 +341,34 @@ class _SparseMoeBlock(MoE):
         layer.to(dtype=weight.dtype)
         layer.router = block.gate
         layer._register_layouts()
-        # The block's form, for to_dense (a plain attribute: not a submodule).
-        layer._block_form = (copy.deepcopy(block).to("meta"),)
+        # The block's form, for to_dense (a plain attribute: not a submodule), on the meta
+        # device without copying its weights first.
+        memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta")) for p in block.parameters()}
+        layer._block_form = (copy.deepcopy(block, memo),)
         layer.aux_loss = None
         layer.load_dense(block)
         return layer
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError(
+            "a parallelized Hugging Face MoE block has no initialisation of its own: load its "
+            "weights (load_dense, torch_mp.checkpoint)"
+        )
 
     def load_dense(self, block: nn.Module) -> None:
         """Copies ``block``'s gate and this rank's experts into the parameters."""
         rank, local = dist.get_rank(self.group), self.experts.num_experts
         mine = slice(rank * local, (rank + 1) * local)
+        shapes = (tuple(block.experts.gate_up_proj.shape), tuple(block.experts.down_proj.shape))
+        want = (
+            (local * self.ep_size, *self.experts.fc1_weight.shape[1:]),
+            (local * self.ep_size, *self.experts.fc2_weight.shape[1:]),
+        )
+        if shapes != want:
+            raise ValueError(
+                f"load_dense: the block's experts are {shapes[0]} and {shapes[1]}, this module's "
+                f"dense ones {want[0]} and {want[1]}"
+            )
         with torch.no_grad():
             self.router.weight.copy_(block.gate.weight)
             self.experts.fc1_weight.copy_(block.experts.gate_up_proj[mine])
@@ -359,7 +377,9 @@ class _SparseMoeBlock(MoE):
     def to_dense(self) -> nn.Module:
         """The block, every expert gathered onto every rank (a collective)."""
         moe = super().to_dense()
-        block = copy.deepcopy(self._block_form[0]).to_empty(device=self.router.weight.device)
+        weight = self.router.weight
+        block = copy.deepcopy(self._block_form[0]).to_empty(device=weight.device)
+        block.to(dtype=weight.dtype)
         with torch.no_grad():
             block.gate.weight.copy_(moe.router.weight)
             block.experts.gate_up_proj.copy_(moe.experts.fc1_weight)
@@ -375,13 +395,39 @@ class _SparseMoeBlock(MoE):
 def _check_sparse_moe_block(module: nn.Module) -> None:
     """Raises unless ``module`` is laid out as Mixtral's sparse MoE block, with nothing that
     one process and the expert group would compute differently."""
-    experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
-    up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not all(isinstance(t, torch.Tensor) for t in (getattr(gate, "weight", None), up, down)):
+    name = type(module).__name__
+    parameters = {n: p for n, p in module.named_parameters()}
+    if (
+        set(dict(module.named_children())) != {"gate", "experts"}
+        or set(parameters) != {"gate.weight", "experts.gate_up_proj", "experts.down_proj"}
+        or any(True for _ in module.buffers())
+        or not isinstance(getattr(module, "top_k", None), int)
+    ):
         raise TypeError(
             "ExpertParallel applies to torch_mp.dense.MoE and to Hugging Face sparse MoE blocks "
             "laid out as Mixtral's (gate.weight [E, h], experts.gate_up_proj [E, 2f, h], "
-            f"experts.down_proj [E, h, f], top_k), not {type(module).__name__}"
+            f"experts.down_proj [E, h, f] and top_k, nothing else), not {name} (whose "
+            f"parameters are {sorted(parameters)})"
+        )
+    gate, experts = module.gate, module.experts
+    if len({p.dtype for p in parameters.values()}) > 1:
+        raise ValueError(f"ExpertParallel: {name}'s gate and experts differ in dtype")
+    # The gate must route as Mixtral's: softmax in fp32, the top k, renormalised.
+    weight = gate.weight
+    probe = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight)
+    with torch.no_grad():
+        routed = gate(probe)
+        top, chosen = F.linear(probe, weight).float().softmax(-1).topk(module.top_k, -1)
+    if not (
+        isinstance(routed, tuple)
+        and len(routed) == 3
+        and torch.equal(routed[2], chosen)
+        and torch.allclose(routed[1].float(), top / top.sum(-1, keepdim=True))
+    ):
+        raise ValueError(
+            f"ExpertParallel: {name}'s gate does not route as Mixtral's (softmax over the "
+            "experts, the top k renormalised, returned as (logits, weights, indices))"
         )
     probe = torch.linspace(-3, 3, 7)
     act = getattr(experts, "act_fn", None)
@@ -410,6 +456,10 @@ class ExpertParallel(ParallelStyle):
     GROUP = "ep_group"
 
     def check(self, module, group):
+        if group is None:
+            raise ValueError(
+                "ExpertParallel needs a mesh with an expert group (torch_mp.init(..., ep=N))"
+            )
         if isinstance(module, dense_modules.MoE):
             experts = module.num_experts
         else:

@@ -106,8 +106,9 @@ class Corpus {
 };
 
 /// GPT-2's initial standard deviation of the parameter `name` of a `layers`-layer DenseGpt: 0.02
-/// for the tables and projections, 0.02 / sqrt(2 * layers) for the two projections that end a
-/// residual branch (self_attn.out_proj, linear2), none for the LayerNorms (weight 1, bias 0).
+/// for the tables and projections, 0.02 / sqrt(2 * layers) for the projections that end a
+/// residual branch (self_attn.out_proj, linear2 or the experts' moe.experts.fc2_weight), none for
+/// the LayerNorms (weight 1, bias 0).
 /// torch_mp.models.gpt.gpt2_init_std's twin.
 inline std::optional<double> gpt2_init_std(const std::string& name, int64_t layers) {
   constexpr double kStd = 0.02;
@@ -118,7 +119,8 @@ inline std::optional<double> gpt2_init_std(const std::string& name, int64_t laye
   if (name.find("norm") != std::string::npos) {
     return std::nullopt;
   }
-  if (ends_with("self_attn.out_proj.weight") || ends_with("linear2.weight")) {
+  if (ends_with("self_attn.out_proj.weight") || ends_with("linear2.weight") ||
+      ends_with("experts.fc2_weight")) {
     return kStd / std::sqrt(2.0 * static_cast<double>(layers));
   }
   return kStd;
@@ -416,7 +418,8 @@ struct GptStageImpl : torch::nn::Module {
   /// {x}, or {x, aux_loss} with MoE layers.
   std::vector<torch::Tensor> forward_all(const std::vector<torch::Tensor>& inputs) {
     auto x = inputs.at(0);
-    auto aux_loss = moe ? (first ? torch::zeros({}) : inputs.at(1)) : torch::Tensor();
+    // (One element, not a scalar: the pipeline joins micro-batches' outputs by concatenation.)
+    auto aux_loss = moe ? (first ? torch::zeros({1}) : inputs.at(1)) : torch::Tensor();
     if (first) {
       auto tokens = x.t();
       auto positions = torch::arange(tokens.size(0));
@@ -457,13 +460,19 @@ struct GptStageImpl : torch::nn::Module {
   /// The last stage's loss of its outputs (forward_all's: logits, and with MoE layers the
   /// load-balancing losses, added).
   torch::Tensor loss(const std::vector<torch::Tensor>& outputs, const torch::Tensor& target) const {
-    const auto ce = loss(outputs.at(0), target);
-    return moe ? ce + outputs.at(1).to(torch::kFloat) : ce;
+    const auto ce = cross_entropy(outputs.at(0), target);
+    return moe ? ce + outputs.at(1).to(torch::kFloat).sum() : ce;
   }
 
-  /// The last stage's loss: vocabulary-parallel cross-entropy against [b, s] targets (under
-  /// context parallelism this rank's part of them, the mean over the context group's tokens).
+  /// The last stage's loss without MoE layers (with them: loss(outputs, target)).
   torch::Tensor loss(const torch::Tensor& logits, const torch::Tensor& target) const {
+    TORCH_CHECK(!moe, "GptStage::loss: with MoE layers pass forward_all's outputs (the aux loss)");
+    return cross_entropy(logits, target);
+  }
+
+  /// Vocabulary-parallel cross-entropy against [b, s] targets (under context parallelism this
+  /// rank's part of them, the mean over the context group's tokens).
+  torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target) const {
     auto mine = target.t();
     if (context_group) {
       mine = torch_mp::context_parallel::shard_sequence(mine, 0, context_group);

@@ -376,17 +376,13 @@ int run(int argc, char** argv) {
     data_parallel.grad_dtype(torch::kFloat);
   }
   torch_mp::DataParallel wrapped(mine, data_parallel);
-  // The stage as the pipeline runs it: forward_all (one tensor or, with MoE layers, the
-  // activations and the load-balancing loss so far), the gradient reduction armed once per step.
-  const torch_mp::pipeline::Stage pipeline_stage{
-      [wrapped, mine](const std::vector<at::Tensor>& inputs) mutable {
-        wrapped->prepare_for_forward();
-        return mine->forward_all(inputs);
-      },
-      mine->parameters(),
-      [wrapped]() mutable { wrapped->prepare_for_backward(); }};
+  // The stage runs forward_all: one tensor or, with MoE layers, the activations and the
+  // load-balancing loss so far.
   torch_mp::pipeline::Pipeline pipe(
-      {pipeline_stage},
+      {torch_mp::pipeline::stage_of(wrapped,
+                                    [mine](const std::vector<at::Tensor>& inputs) mutable {
+                                      return mine->forward_all(inputs);
+                                    })},
       [mine](const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& target) {
         return mine->loss(outputs, target[0]);
       },

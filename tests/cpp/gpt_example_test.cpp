@@ -18,6 +18,8 @@ TEST(GptExample, EveryTableAndProjectionStartsAtGpt2sStandardDeviation) {
   const double residual = 0.02 / std::sqrt(2.0 * kLayers);
   EXPECT_DOUBLE_EQ(*gpt::gpt2_init_std("layers.0.self_attn.out_proj.weight", kLayers), residual);
   EXPECT_DOUBLE_EQ(*gpt::gpt2_init_std("layers.3.linear2.weight", kLayers), residual);
+  EXPECT_DOUBLE_EQ(*gpt::gpt2_init_std("layers.1.moe.experts.fc2_weight", kLayers), residual);
+  EXPECT_DOUBLE_EQ(*gpt::gpt2_init_std("layers.1.moe.experts.fc1_weight", kLayers), 0.02);
   EXPECT_DOUBLE_EQ(*gpt::gpt2_init_std("layers.3.linear1.weight", kLayers), 0.02);
   EXPECT_DOUBLE_EQ(*gpt::gpt2_init_std("pos.weight", kLayers), 0.02);
   int checked = 0;

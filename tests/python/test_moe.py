@@ -116,6 +116,25 @@ def test_the_local_experts_run_as_one_grouped_product_where_it_fits(bias):
     torch.testing.assert_close(y, moe(x)[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["grouped", "loop"])
+def test_an_expert_given_no_tokens_gets_a_zero_gradient(bias):
+    # (So that a data-parallel reduction finds every gradient it waits for.) Positive tokens and
+    # a strongly negative router row: expert 3 is never among the top 2.
+    torch.manual_seed(0)
+    moe = dense.MoE(HIDDEN, FFN, EXPERTS, bias=bias)
+    with torch.no_grad():
+        moe.router.weight[3] = -10.0
+    x = torch.rand(9, HIDDEN) + 0.1
+    e = moe.experts
+    y, _ = torch.ops.torch_mp.moe(
+        x, moe.router.weight, e.fc1_weight, e.fc1_bias, e.fc2_weight, e.fc2_bias,
+        2, "gelu", "softmax", None, 0.01, "",
+    )  # fmt: skip
+    y.square().sum().backward()
+    for grad in (e.fc1_weight.grad, e.fc2_weight.grad):
+        assert grad[3].abs().max() == 0 and grad[:3].abs().max() > 0
+
+
 def _tokens(rank: int) -> torch.Tensor:
     """Rank r's tokens: a different number on every rank ([2, 3 + 2r, hidden])."""
     return rank_tensor(1, rank, 2, 3 + 2 * rank, HIDDEN)
@@ -436,3 +455,51 @@ def test_parallelize_refuses_mixtral_blocks_it_cannot_split_exactly():
         assert "router_jitter_noise = 0.1" in errors["jitter"], errors
         assert "must be SiLU-gated" in errors["gelu"], errors
         assert "3 experts cannot be split over an expert group of 2" in errors["3 experts"], errors
+
+
+def _mixtral_block_in_bf16(ep: int) -> float:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from torch_mp.parallelize import ExpertParallel
+
+    mesh = use_mesh(1, 1, 1, ep)
+    torch.manual_seed(4)
+    config = transformers.MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4)
+    block = MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(std=0.3)
+    block = block.to(torch.bfloat16)
+    parallel = ExpertParallel().apply(copy.deepcopy(block), mesh.ep_group)
+    x = rank_tensor(5, dist.get_rank(), 2, 6, 16).to(torch.bfloat16)
+    y, want = parallel(x), block(x)
+    # Routed in fp32 as the block routes (the same experts); the experts' products are bf16
+    # kernels of their own.
+    torch.testing.assert_close(y, want, rtol=2e-2, atol=2e-2)
+    return (y.float() - want.float()).abs().max().item()
+
+
+def test_a_mixtral_block_in_bf16_routes_as_the_block_does():
+    get_world(2).run(_mixtral_block_in_bf16, 2)
+
+
+def _not_mixtral() -> str:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from torch_mp.parallelize import ExpertParallel
+
+    mesh = use_mesh(1, 1, 1, 2)
+    block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=8, num_local_experts=4))
+    block.shared_expert = torch.nn.Linear(8, 8)  # as Qwen2-MoE's: not Mixtral's layout
+    try:
+        ExpertParallel().check(block, mesh.ep_group)
+    except TypeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_expert_parallel_refuses_blocks_not_laid_out_as_mixtrals():
+    for error in get_world(2).run(_not_mixtral):
+        assert "laid out as Mixtral's" in error and "shared_expert.weight" in error, error

@@ -176,7 +176,7 @@ class DenseGPT(nn.Module):
         s = tokens.shape[0]
         x = self.tok(tokens) + self.pos(torch.arange(s))[:, None]
         mask = nn.Transformer.generate_square_subsequent_mask(s)
-        aux_loss = x.new_zeros(())
+        aux_loss = x.new_zeros((), dtype=torch.float32)
         for layer in self.layers:
             if isinstance(layer, MoELayer):
                 x, layer_aux = layer(x, mask)
@@ -255,7 +255,7 @@ class GPTStage(SharesGroup, nn.Module):
 
     With MoE layers (``dense.config.moe_experts``; their experts over ``expert_group``, the
     default mesh's ``ep_group`` when None) every stage also returns the sum of the
-    load-balancing losses so far, a scalar, and the stages after the first take it as their
+    load-balancing losses so far, ``[1]``, and the stages after the first take it as their
     second input: ``(x, aux_loss)`` in and out, ``loss(logits, aux_loss, target)`` at the end.
     Sequence and context parallelism and recomputation are refused with them.
     """
@@ -315,7 +315,9 @@ class GPTStage(SharesGroup, nn.Module):
         self, x: torch.Tensor, aux_loss: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.moe and self.first:
-            aux_loss = torch.zeros(())
+            # (One element, not a scalar: the pipeline joins micro-batches' outputs by
+            # concatenation.)
+            aux_loss = torch.zeros(1, device=x.device)
         if self.first:
             tokens = x.T
             positions = torch.arange(tokens.shape[0])
@@ -369,7 +371,7 @@ class GPTStage(SharesGroup, nn.Module):
             context_parallel=self.context_group is not None,
             context_group=self.context_group,
         )
-        return loss + aux_loss[0].float() if aux_loss else loss
+        return loss + aux_loss[0].float().sum() if aux_loss else loss
 
     def dense_names(self) -> dict[str, str]:
         """How this stage's names map to ``DenseGPT``'s, for torch_mp.checkpoint: its layers

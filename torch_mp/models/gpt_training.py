@@ -81,6 +81,11 @@ class Trainer3D:
             options.context_method,
         )
         zero = 2 if options.bf16 else int(options.zero)
+        if options.ddp and dense.config.moe_experts and mesh.ep_size > 1:
+            raise ValueError(
+                "TrainingOptions: DistributedDataParallel stages would average different "
+                "experts' gradients over the data group (ep > 1); use torch_mp.DataParallel"
+            )
         if options.ddp and zero >= 2:
             raise ValueError("TrainingOptions: ZeRO-2 (zero=2 or bf16) needs torch_mp.DataParallel")
         if options.bf16:

@@ -182,7 +182,7 @@ def _arguments(moe: nn.Module) -> tuple[tuple, dict]:
     """The constructor arguments of ``moe`` (a :class:`MoE` or :class:`torch_mp.dense.MoE`;
     they hold their settings alike)."""
     experts = moe.experts
-    args = (experts.fc2_weight.shape[1], experts.ffn_hidden_size, moe.num_experts, moe.top_k)
+    args = (experts.fc2_weight.shape[1], experts.fc2_weight.shape[2], moe.num_experts, moe.top_k)
     kwargs = {
         "activation": experts.activation,
         "router": moe.router_kind,

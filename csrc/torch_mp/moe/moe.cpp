@@ -30,8 +30,12 @@ bool grouped_mm_fits(const MoEParameters& p, const at::Tensor& rows) {
           ? dtype == at::kBFloat16
           : rows.is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
   const auto aligned = [&](int64_t n) { return n * rows.element_size() % 16 == 0; };
-  return kind && !p.fc1_bias && !p.fc2_bias && aligned(p.fc1_weight.size(2)) &&
-         aligned(p.fc2_weight.size(2));
+  const auto fits = [&](const at::Tensor& w) {
+    return w.scalar_type() == dtype && w.device() == rows.device() && w.is_contiguous();
+  };
+  // (No rows: the loop, not a grouped product of nothing.)
+  return kind && rows.size(0) > 0 && !p.fc1_bias && !p.fc2_bias && fits(p.fc1_weight) &&
+         fits(p.fc2_weight) && aligned(p.fc1_weight.size(2)) && aligned(p.fc2_weight.size(2));
 }
 
 // The local experts over `rows` grouped by expert (`counts` rows each): one grouped matrix
@@ -203,7 +207,9 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
         {by_expert}, at::arange(by_expert.size(0), by_expert.options()));
     results = all_to_all_rows(outputs.index_select(0, back), recv_counts, send_counts, group);
   }
-  const auto y = at::zeros_like(tokens).index_add(0, token, results * weight.unsqueeze(1));
+  // The weights are fp32 (router.cpp): the products in fp32, cast back (as Mixtral's block).
+  const auto weighted = (results * weight.unsqueeze(1)).to(tokens.scalar_type());
+  const auto y = at::zeros_like(tokens).index_add(0, token, weighted);
   return {y.view(x.sizes()), load_balancing_loss(r, o.aux_loss_coef())};
 }
 
@@ -324,16 +330,14 @@ std::tuple<at::Tensor, at::Tensor> moe_op(const at::Tensor& x,
                                           std::optional<double> capacity_factor,
                                           double aux_loss_coef,
                                           c10::string_view group) {
-  const std::string kind(activation);
-  const auto options = dense::MoEOptions(router_weight.size(1),
-                                         fc1_weight.size(1) / fc1_rows_per_unit(kind),
-                                         router_weight.size(0))
-                           .top_k(top_k)
-                           .activation(kind)
-                           .router(std::string(router))
-                           .capacity_factor(capacity_factor)
-                           .aux_loss_coef(aux_loss_coef)
-                           .bias(fc1_bias.has_value());
+  const auto options =
+      dense::MoEOptions(router_weight.size(1), fc2_weight.size(2), router_weight.size(0))
+          .top_k(top_k)
+          .activation(std::string(activation))
+          .router(std::string(router))
+          .capacity_factor(capacity_factor)
+          .aux_loss_coef(aux_loss_coef)
+          .bias(fc1_bias.has_value());
   return moe_forward(x,
                      {router_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias},
                      options,

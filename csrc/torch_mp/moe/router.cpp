@@ -34,7 +34,10 @@ Routing route(const at::Tensor& tokens,
               std::optional<double> capacity_factor) {
   const int64_t num_experts = router_weight.size(0);
   check_routing(num_experts, top_k, router, capacity_factor);
-  const auto logits = at::matmul(tokens, router_weight.t());
+  // Scores, probabilities and weights in at least fp32 (Mixtral's router's, Megatron's
+  // moe_router_dtype fp32): near-ties in bf16 would pick other experts than one process does.
+  auto logits = at::matmul(tokens, router_weight.t());
+  logits = logits.to(at::promote_types(logits.scalar_type(), at::kFloat));
   Routing r;
   at::Tensor scores;
   if (router == "softmax") {

@@ -72,6 +72,18 @@ Stage stage_of(data_parallel::DataParallel module) {
                [module]() mutable { module->prepare_for_backward(); }};
 }
 
+Stage stage_of(data_parallel::DataParallel module,
+               std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward) {
+  std::vector<at::Tensor> parameters = module->parameters();
+  return Stage{[module, forward = std::move(forward)](
+                   const std::vector<at::Tensor>& inputs) mutable -> std::vector<at::Tensor> {
+                 module->prepare_for_forward();
+                 return forward(inputs);
+               },
+               std::move(parameters),
+               [module]() mutable { module->prepare_for_backward(); }};
+}
+
 Pipeline::Pipeline(std::vector<Stage> stages, LossFn loss, PipelineOptions options) {
   const GroupPtr group = group_or_default(options.group());
   const auto per_rank = static_cast<int64_t>(stages.size());

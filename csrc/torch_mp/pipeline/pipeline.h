@@ -34,6 +34,12 @@ Stage stage_of(torch::nn::Sequential module);
 /// backward of each step, so gradients are averaged over the data group once per step.
 Stage stage_of(data_parallel::DataParallel module);
 
+/// A data-parallel stage whose forward is `forward` (any tensors in and out, e.g. a method of the
+/// wrapped module taking several), run as the one-tensor stage's is: after the module's
+/// prepare_for_forward, without arming the reduction, which the executor arms once per step.
+Stage stage_of(data_parallel::DataParallel module,
+               std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> forward);
+
 /// Pipeline-parallel training of this rank's stages.
 ///
 /// Every rank of the pipeline group builds one with its own stages (Schedule::stages_of_rank, in
