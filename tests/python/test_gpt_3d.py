@@ -296,3 +296,35 @@ def test_a_gpt_with_moe_layers_saved_at_ep2_continues_at_any_ep(loaded, tmp_path
     for loss, expected, worst in results:
         assert abs(loss - expected) <= 1e-5 * abs(expected) + 1e-6, (loss, expected)
         assert worst <= PARAMETER_TOLERANCE, worst
+
+
+def _evaluate_moe() -> tuple[float, float] | None:
+    mesh = use_mesh(1, 2, 1, 2)
+    config = _config(Corpus().vocab, moe_experts=4)
+    torch.manual_seed(0)
+    options = TrainingOptions(microbatches=2)
+    model = DenseGPT(config)
+    reference = DenseTrainer(copy.deepcopy(model), options, mesh.dp_size * options.microbatches)
+    trainer = Trainer3D(model, mesh, options)
+    inputs, target = Corpus().batch(1, BATCH * mesh.dp_size, config.seq)
+    mine = slice(mesh.dp_rank * BATCH, (mesh.dp_rank + 1) * BATCH)
+    out = trainer.pipe.eval_step(
+        inputs[mine] if trainer.holds_first else None,
+        target=target[mine] if trainer.holds_last else None,
+    )
+    expected = reference.compute_gradients(inputs, target)  # the mean over every piece
+    if out is None:
+        return None
+    (logits, aux_loss), loss = out
+    assert aux_loss.shape == (options.microbatches,), (logits.shape, aux_loss.shape)
+    value = torch.tensor([loss.item()], dtype=torch.float64)
+    dist.all_reduce(value, group=mesh.dp_group)
+    return value.item() / mesh.dp_size, expected
+
+
+def test_a_gpt_with_moe_layers_evaluates_through_the_pipeline(world4):
+    # eval_step joins the micro-batches' outputs, the load-balancing losses among them.
+    for result in world4.run(_evaluate_moe):
+        if result is not None:
+            loss, expected = result
+            assert abs(loss - expected) <= 1e-5 * abs(expected), (loss, expected)
