@@ -138,7 +138,8 @@ class MoE(nn.Module):
     best: ``"softmax"`` takes the softmax over all experts, then the top k, their weights
     renormalised to sum to 1 (Mixtral's); ``"sigmoid"`` takes each expert's sigmoid, then the
     top k, renormalised likewise (DeepSeek-V3's). Each token's output is the weighted sum of its
-    experts' outputs (:class:`Experts`).
+    experts' outputs (:class:`Experts`; ``activation`` is theirs: ``"gelu"``, ``"relu"`` or the
+    gated ``"swiglu"``). Routing runs in at least fp32 whatever the dtype of ``x``.
 
     ``capacity_factor=None`` is dropless. A number caps each expert at
     ``ceil(capacity_factor * tokens * top_k / num_experts)`` tokens; the tokens past the cap, in
