@@ -64,6 +64,16 @@ class DataParallel(nn.Module):
     average over every data rank, as the other parameters get. ``shard_gradients`` does not
     take them yet.
 
+    Every parameter that requires grad must get a gradient in each synced backward (there is no
+    ``find_unused_parameters``): a step after one that left some without (an optimizer's
+    ``step``, the next forward) raises on every rank, naming them by their names in
+    ``module``, rather than step this rank's own gradient and let the replicas drift apart.
+
+    :meth:`zero_grad` of this module (or of a ``DistributedOptimizer`` over its parameters) also
+    drops the gradients a sharding engine holds: the main gradients of ``grad_dtype`` and the
+    reduced ones, so that a backward dropped before the step adds nothing to it. (The wrapped
+    module's own ``zero_grad`` cannot reach them.)
+
     Raises:
         RuntimeError: On every rank, if the ranks' parameters differ in number, shape or dtype.
     """
@@ -95,13 +105,14 @@ class DataParallel(nn.Module):
         self.group = group
         self.require_backward_grad_sync = True
         self.shard_gradients = shard_gradients or grad_dtype is not None
+        names = [name for name, _ in module.named_parameters()]
+        _check_plain_optimizers()
         if self.shard_gradients:
             if comm_hook is not None or gradient_as_bucket_view:
                 raise ValueError(
                     "DataParallel: shard_gradients (or grad_dtype) takes no comm_hook and no "
                     "gradient_as_bucket_view"
                 )
-            _refuse_plain_optimizers()
             for p in module.parameters():
                 if _C.data_parallel.is_expert_parameter(p, expert_names[0]):
                     raise ValueError(
@@ -116,6 +127,7 @@ class DataParallel(nn.Module):
                 bucket_cap_mb,
                 grad_dtype,
                 broadcast_buffers,
+                names,
             )
             return
         # The engine (and the buffer bookkeeping) is the C++ core's GradientSync, which also
@@ -129,6 +141,7 @@ class DataParallel(nn.Module):
             broadcast_buffers,
             comm_hook or "none",
             *expert_names,
+            names,
         )
 
     def __deepcopy__(self, memo):
@@ -143,6 +156,14 @@ class DataParallel(nn.Module):
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.prepare_for_backward()
         return output
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeros (or drops) the parameters' gradients, as ``nn.Module.zero_grad``; with
+        ``shard_gradients`` or ``grad_dtype``, also the reduced and main gradients the engine
+        holds for them."""
+        super().zero_grad(set_to_none)
+        if self.shard_gradients:
+            self._sync.zero_grad()
 
     def prepare_for_forward(self) -> None:
         """Before a forward (``forward`` calls it): rebuilds the buckets once, in the order the
@@ -169,10 +190,12 @@ class DataParallel(nn.Module):
 _plain_optimizer_hook = None
 
 
-def _refuse_plain_optimizers() -> None:
-    """Makes every torch.optim optimizer but a DistributedOptimizer raise when it steps a
-    parameter whose gradient a sharding DataParallel holds: it would find no gradient there and
-    silently leave the parameter as it is."""
+def _check_plain_optimizers() -> None:
+    """Makes every torch.optim optimizer but a DistributedOptimizer (which checks the same
+    itself) raise at its step, before changing anything: over a parameter whose gradient a
+    sharding DataParallel holds (it would find no gradient there and silently leave the
+    parameter as it is), and over parameters of a DataParallel whose last synced backward left
+    some without a gradient (their buckets were never reduced: .grad is this rank's own)."""
     global _plain_optimizer_hook
     if _plain_optimizer_hook is not None:
         return
@@ -182,15 +205,16 @@ def _refuse_plain_optimizers() -> None:
 
         if isinstance(optimizer, DistributedOptimizer):
             return
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if _C.data_parallel.ShardedGradientSync.manages(p):
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__} steps a parameter (shape "
-                        f"{tuple(p.shape)}) whose gradients a DataParallel(shard_gradients="
-                        "True) reduce-scatters: only torch_mp.DistributedOptimizer over "
-                        "module.parameters() can step it"
-                    )
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in parameters:
+            if _C.data_parallel.ShardedGradientSync.manages(p):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} steps a parameter (shape "
+                    f"{tuple(p.shape)}) whose gradients a DataParallel(shard_gradients="
+                    "True) reduce-scatters: only torch_mp.DistributedOptimizer over "
+                    "module.parameters() can step it"
+                )
+        _C.data_parallel.check_reductions_complete(parameters)
 
     _plain_optimizer_hook = register_optimizer_step_pre_hook(check)
 

@@ -32,6 +32,11 @@ void bind_data_parallel(py::module_& parent) {
       },
       py::arg("parameter"),
       py::arg("expert_group"));
+  m.def("check_reductions_complete",
+        &check_reductions_complete,
+        py::arg("parameters"),
+        "Raises, naming them, if the last synced backward of a DataParallel that reduces some "
+        "of these parameters gave some of its parameters no gradient.");
   py::class_<GradientSync>(m, "GradientSync", "Bucketed, overlapped gradient averaging.")
       .def(py::init([](std::vector<at::Tensor> parameters,
                        std::vector<at::Tensor> buffers,
@@ -41,7 +46,8 @@ void bind_data_parallel(py::module_& parent) {
                        bool broadcast_buffers,
                        const std::string& comm_hook,
                        const std::string& expert_group,
-                       const std::string& expert_data_group) {
+                       const std::string& expert_data_group,
+                       std::vector<std::string> names) {
              return std::make_unique<GradientSync>(
                  std::move(parameters),
                  std::move(buffers),
@@ -52,7 +58,8 @@ void bind_data_parallel(py::module_& parent) {
                      .broadcast_buffers(broadcast_buffers)
                      .comm_hook(parse_comm_hook(comm_hook))
                      .expert_group(group_named_or_none(expert_group))
-                     .expert_data_group(group_named_or_none(expert_data_group)));
+                     .expert_data_group(group_named_or_none(expert_data_group))
+                     .names(std::move(names)));
            }),
            py::arg("parameters"),
            py::arg("buffers"),
@@ -63,6 +70,7 @@ void bind_data_parallel(py::module_& parent) {
            py::arg("comm_hook"),
            py::arg("expert_group") = "",
            py::arg("expert_data_group") = "",
+           py::arg("names") = std::vector<std::string>{},
            ReleaseGil())
       .def("prepare_for_forward", &GradientSync::prepare_for_forward, ReleaseGil())
       .def("prepare_for_backward", &GradientSync::prepare_for_backward, ReleaseGil());
@@ -73,14 +81,16 @@ void bind_data_parallel(py::module_& parent) {
                        const std::string& group,
                        double bucket_cap_mb,
                        std::optional<at::ScalarType> grad_dtype,
-                       bool broadcast_buffers) {
+                       bool broadcast_buffers,
+                       std::vector<std::string> names) {
              return ShardedGradientSync::create(std::move(parameters),
                                                 std::move(buffers),
                                                 resolve(group),
                                                 ShardedGradientSyncOptions()
                                                     .bucket_cap_mb(bucket_cap_mb)
                                                     .grad_dtype(grad_dtype)
-                                                    .broadcast_buffers(broadcast_buffers));
+                                                    .broadcast_buffers(broadcast_buffers)
+                                                    .names(std::move(names)));
            }),
            py::arg("parameters"),
            py::arg("buffers"),
@@ -88,9 +98,11 @@ void bind_data_parallel(py::module_& parent) {
            py::arg("bucket_cap_mb"),
            py::arg("grad_dtype"),
            py::arg("broadcast_buffers"),
+           py::arg("names") = std::vector<std::string>{},
            ReleaseGil())
       .def("prepare_for_forward", &ShardedGradientSync::prepare_for_forward, ReleaseGil())
       .def("prepare_for_backward", &ShardedGradientSync::prepare_for_backward, ReleaseGil())
+      .def("zero_grad", &ShardedGradientSync::zero_grad, ReleaseGil())
       .def_static(
           "manages",
           [](const at::Tensor& p) { return ShardedGradientSync::of(p) != nullptr; },

@@ -36,20 +36,23 @@ void bind_optim(py::module_& parent) {
                        const std::string& group,
                        double bucket_cap_mb,
                        std::optional<at::ScalarType> master_dtype,
-                       const std::string& expert_group) {
+                       const std::string& expert_group,
+                       std::vector<std::string> names) {
              return std::make_unique<ParameterShards>(
                  std::move(parameters),
                  resolve(group),
                  ParameterShardsOptions()
                      .bucket_cap_mb(bucket_cap_mb)
                      .master_dtype(master_dtype)
-                     .expert_group(group_named_or_none(expert_group)));
+                     .expert_group(group_named_or_none(expert_group))
+                     .names(std::move(names)));
            }),
            py::arg("parameters"),
            py::arg("group"),
            py::arg("bucket_cap_mb"),
            py::arg("master_dtype"),
            py::arg("expert_group") = "",
+           py::arg("names") = std::vector<std::string>{},
            ReleaseGil())
       .def_property_readonly("shards", &ParameterShards::shards)
       .def_property_readonly("pieces",
@@ -63,6 +66,7 @@ void bind_optim(py::module_& parent) {
       .def_property_readonly("num_buckets", &ParameterShards::num_buckets)
       .def("take_gradients", &ParameterShards::take_gradients)
       .def("release_gradients", &ParameterShards::release_gradients)
+      .def("zero_gradients", &ParameterShards::zero_gradients)
       .def("gather_parameters", &ParameterShards::gather_parameters, ReleaseGil())
       .def(
           "gather",

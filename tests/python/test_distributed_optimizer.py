@@ -258,6 +258,7 @@ def _bf16_masters_match_hand_written() -> None:
     mesh = use_mesh(1)
     model = _dense().to(torch.bfloat16)
     by_hand = copy.deepcopy(model)
+    wrapped = torch_mp.DataParallel(model, mesh=mesh)  # (the same gradient on every rank)
     optimizer = torch_mp.DistributedOptimizer(
         model.parameters(), torch.optim.AdamW, mesh=mesh, master_dtype=torch.float32, lr=LR
     )
@@ -265,7 +266,7 @@ def _bf16_masters_match_hand_written() -> None:
     hand_optimizer = torch.optim.AdamW(masters, lr=LR)
     for step in range(3):
         x, y = (t.to(torch.bfloat16) for t in _batch(step, 1))  # the same on every rank
-        for m in (model, by_hand):
+        for m in (wrapped, by_hand):
             m.zero_grad()
             nn.functional.mse_loss(m(x), y).backward()
         optimizer.step()

@@ -37,9 +37,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     state alone): Adam, AdamW, SGD, Adagrad, RMSprop, Lion and the like, not LBFGS or
     optimizers that take norms of whole tensors.
 
+    Every parameter's gradient must be averaged over the group by a ``torch_mp.DataParallel``
+    (or a ``DistributedDataParallel``) that holds it, and every parameter must get one in the
+    synced backward: otherwise :meth:`step` raises on every rank, naming the parameter, rather
+    than step one rank's own gradient (the replicas would drift apart).
+
     Args:
         params: Parameters or parameter groups, as for any optimizer: the whole model's on
-            this rank (its stage and tensor shard), the same on every data rank.
+            this rank (its stage and tensor shard), the same on every data rank. Named
+            parameters (``module.named_parameters()``, or groups whose ``"params"`` are
+            ``(name, parameter)`` pairs) are named in errors.
         optimizer_class: The optimizer that steps the shards, e.g. ``torch.optim.AdamW``.
         mesh: Takes ``mesh.dp_cp_group``; pass ``group`` or ``mesh``, not both.
         group: The data-parallel group; ``mesh.dp_cp_group`` (the default mesh's data group,
@@ -76,7 +83,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("DistributedOptimizer: got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        groups = [dict(g, params=_as_list(g["params"])) for g in groups]
+        groups = [_unnamed(dict(g, params=_as_list(g["params"]))) for g in groups]
+        names = [n for g in groups for n in g.get("param_names", [None] * len(g["params"]))]
         parameters = [p for g in groups for p in g["params"]]
         self.group = group
         # The mesh's expert group: its experts' parameters are refused (not sharded yet).
@@ -87,9 +95,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket_cap_mb,
             master_dtype,
             "" if expert_group is None else expert_group.group_name,
+            names if all(names) else [],
         )
         group_of = [i for i, g in enumerate(groups) for _ in g["params"]]
-        local_groups = [dict(g, params=[]) for g in groups]
+        local_groups = [
+            {k: v for k, v in g.items() if k != "param_names"} | {"params": []} for g in groups
+        ]
         for shard, (index, _, _) in zip(self._shards.shards, self._shards.pieces, strict=True):
             local_groups[group_of[index]]["params"].append(shard)
         #: The ``optimizer_class`` instance over this rank's shards, which holds the state.
@@ -127,10 +138,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeros the parameters' gradients, and drops the averaged gradients a
-        ``DataParallel(shard_gradients=True)`` holds for them."""
+        """Zeros the parameters' gradients, and drops the averaged and main gradients a
+        ``DataParallel(shard_gradients=True)`` (or ``grad_dtype``) holds for them."""
         super().zero_grad(set_to_none)
-        self._shards.release_gradients()
+        self._shards.zero_gradients()
 
     # ---- the state as a plain optimizer holds it ----------------------------------------
 
@@ -143,7 +154,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         mine: dict[int, dict[str, Any]] = {}  # index -> key -> _SHAPED, or the value itself
         for shard, (index, _, _) in zip(self._shards.shards, self._shards.pieces, strict=True):
             for key, value in self.local_optimizer.state.get(shard, {}).items():
-                shaped = _shaped_like(value, shard)
+                shaped = _per_element(key, value, shard)
                 mine.setdefault(index, {})[key] = _SHAPED if shaped else _to_cpu(value)
         every: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, mine, group=self.group)
@@ -190,7 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sliced = {}
         for key in keys:
             values = [
-                s[key] if _shaped_like(s.get(key), p) else None
+                s[key] if _per_element(key, s.get(key), p) else None
                 for s, p in zip(per_parameter, parameters, strict=True)
             ]
             sliced[key] = self._shards.slice(values)
@@ -254,8 +265,13 @@ def _is_shaped(value: Any) -> bool:
     return isinstance(value, str) and value == _SHAPED
 
 
-def _shaped_like(value: Any, like: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == like.numel()
+def _per_element(key: str, value: Any, like: torch.Tensor) -> bool:
+    """Whether state ``value`` holds an entry per element of ``like`` (a moment, a momentum
+    buffer), not one for the whole tensor (a step count). For a 0-dim ``like`` (a learned
+    scalar) both are 0-dim: as torch.optim does, the step is then told by its key."""
+    if not isinstance(value, torch.Tensor) or value.numel() != like.numel():
+        return False
+    return value.dim() > 0 or (like.dim() == 0 and key != "step")
 
 
 def _to_cpu(value: Any) -> Any:
@@ -268,6 +284,21 @@ def _on_device(optimizer: DistributedOptimizer, p: torch.Tensor) -> bool:
         if any(q is p for q in group["params"]):
             return bool(group.get("fused") or group.get("capturable"))
     return False
+
+
+def _unnamed(group: dict[str, Any]) -> dict[str, Any]:
+    """A group whose ``(name, parameter)`` pairs are split, as torch.optim splits them, into
+    ``params`` and ``param_names``."""
+    pairs = [isinstance(p, tuple) for p in group["params"]]
+    if not any(pairs):
+        return group
+    if not all(pairs):
+        raise ValueError("DistributedOptimizer: give every parameter of a group a name, or none")
+    return dict(
+        group,
+        params=[p for _, p in group["params"]],
+        param_names=[name for name, _ in group["params"]],
+    )
 
 
 def _as_list(params: Any) -> list[torch.Tensor]:

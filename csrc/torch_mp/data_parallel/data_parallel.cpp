@@ -15,6 +15,7 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
     options.expert_group(mesh->ep_group).expert_data_group(mesh->expert_dp_group);
   }
   register_module("module", module);
+  const auto names = module->named_parameters().keys();
   if (options.shard_gradients() || options.grad_dtype()) {
     TORCH_CHECK(options.comm_hook() == CommHook::kNone && !options.gradient_as_bucket_view(),
                 "DataParallel: shard_gradients (or grad_dtype) takes no comm_hook and no "
@@ -32,7 +33,8 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
                                            ShardedGradientSyncOptions()
                                                .bucket_cap_mb(options.bucket_cap_mb())
                                                .grad_dtype(options.grad_dtype())
-                                               .broadcast_buffers(options.broadcast_buffers()));
+                                               .broadcast_buffers(options.broadcast_buffers())
+                                               .names(names));
     return;
   }
   sync_ =
@@ -45,11 +47,19 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
                                          .comm_hook(options.comm_hook())
                                          .broadcast_buffers(options.broadcast_buffers())
                                          .expert_group(options.expert_group())
-                                         .expert_data_group(options.expert_data_group()));
+                                         .expert_data_group(options.expert_data_group())
+                                         .names(names));
 }
 
 void DataParallelImpl::prepare_for_forward() {
   sync_ ? sync_->prepare_for_forward() : sharded_->prepare_for_forward();
+}
+
+void DataParallelImpl::zero_grad(bool set_to_none) {
+  torch::nn::Module::zero_grad(set_to_none);
+  if (sharded_) {
+    sharded_->zero_grad();
+  }
 }
 
 void DataParallelImpl::prepare_for_backward() {

@@ -10,6 +10,10 @@
 //
 // Gradient accumulation: backwards run inside `auto guard = dp->no_sync();` accumulate locally;
 // the next synced backward reduces the sum.
+//
+// Every parameter must get a gradient in a synced backward: the next forward raises, naming
+// those that did not (a torch_mp::DistributedOptimizer already at its step; LibTorch's own
+// optimizers have no step hook through which to refuse).
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
@@ -85,7 +89,12 @@ class DataParallelImpl : public torch::nn::Module {
   /// Before a forward: rebuilds the buckets once, and broadcasts buffers when due.
   void prepare_for_forward();
   /// Arms the reduction for the next backward (forward does this unless under no_sync).
+  /// Raises, naming them, if the last synced backward gave some parameters no gradient.
   void prepare_for_backward();
+  /// Zeros (or drops) the gradients, as any module's zero_grad, and with shard_gradients or
+  /// grad_dtype also the reduced and main gradients held for them: a backward dropped this way
+  /// adds nothing to the next step. (The wrapped module's own zero_grad cannot reach those.)
+  void zero_grad(bool set_to_none = true) override;
 
   /// While the returned guard lives, forward does not arm the reduction: backwards accumulate
   /// gradients locally, to be reduced by the next synced backward.

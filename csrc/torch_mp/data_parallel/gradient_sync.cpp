@@ -3,15 +3,26 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <limits>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <unordered_map>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/data_parallel/gradient_hooks.h"
+#include "torch_mp/data_parallel/sharded_gradient_sync.h"
 #include "torch_mp/layout.h"
 
 namespace torch_mp::data_parallel {
 namespace {
+
+// Which GradientSync reduces each parameter's gradient (a step looks it up).
+std::mutex engines_mutex;
+std::unordered_map<const c10::TensorImpl*, GradientSync*>& engines() {
+  static std::unordered_map<const c10::TensorImpl*, GradientSync*> map;
+  return map;
+}
 
 constexpr size_t kBroadcastBucketBytes = 250u << 20;  // DDP's broadcast bucket
 
@@ -122,10 +133,16 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
   TORCH_CHECK(options.bucket_cap_mb() > 0,
               "DataParallel: bucket_cap_mb must be positive, got ",
               options.bucket_cap_mb());
+  const auto names = names_requiring_grad(parameters, options.names(), "DataParallel");
   std::vector<at::Tensor> experts;  // the experts' parameters, reduced over their own group
   std::vector<at::Tensor> shared;   // the others
-  for (auto& p : parameters) {
-    (is_expert_parameter(p, options.expert_group()) ? experts : shared).push_back(p);
+  std::vector<std::string> expert_names, shared_names;
+  for (size_t i = 0, named = 0; i < parameters.size(); ++i) {
+    const bool expert = is_expert_parameter(parameters[i], options.expert_group());
+    (expert ? experts : shared).push_back(parameters[i]);
+    if (!names.empty() && parameters[i].requires_grad()) {
+      (expert ? expert_names : shared_names).push_back(names[named++]);
+    }
   }
   const auto& expert_data = options.expert_data_group();
   TORCH_CHECK(experts.empty() || expert_data,
@@ -154,6 +171,7 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
   experts = requiring_grad(experts);
   parameters_ = shared;
   parameters_.insert(parameters_.end(), experts.begin(), experts.end());
+  shared_names.insert(shared_names.end(), expert_names.begin(), expert_names.end());
   comm::check_same_across_ranks({static_cast<int64_t>(parameters_.size())},
                                 group_,
                                 "DataParallel: the number of parameters that require grad");
@@ -182,14 +200,44 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
     reducer->register_comm_hook(std::make_unique<DividedAllReduce>(expert_data, group_->getSize()));
     reducers_.push_back(std::move(reducer));
   }
+  armed_ = std::make_unique<ArmedBackward>(parameters_, std::move(shared_names));
+  hooks_ = std::make_unique<GradientHooks>(parameters_, [this](size_t i) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    armed_->mark(i);
+  });
+  std::lock_guard<std::mutex> lock(engines_mutex);
+  for (const auto& p : parameters_) {
+    engines()[p.unsafeGetTensorImpl()] = this;
+  }
 }
 
-GradientSync::~GradientSync() = default;
+GradientSync::~GradientSync() {
+  hooks_.reset();
+  std::lock_guard<std::mutex> lock(engines_mutex);
+  for (const auto& p : parameters_) {
+    const auto found = engines().find(p.unsafeGetTensorImpl());
+    if (found != engines().end() && found->second == this) {
+      engines().erase(found);
+    }
+  }
+}
+
+GradientSync* GradientSync::of(const at::Tensor& parameter) {
+  std::lock_guard<std::mutex> lock(engines_mutex);
+  const auto found = engines().find(parameter.unsafeGetTensorImpl());
+  return found == engines().end() ? nullptr : found->second;
+}
+
+void GradientSync::check_complete() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  armed_->check_complete("DataParallel");
+}
 
 void GradientSync::prepare_for_forward() {
   if (!at::GradMode::is_enabled()) {
     return;
   }
+  check_complete();  // (before the reducer raises its own message, which names no parameter)
   for (const auto& reducer : reducers_) {
     reducer->rebuild_buckets();
   }
@@ -200,10 +248,33 @@ void GradientSync::prepare_for_forward() {
 }
 
 void GradientSync::prepare_for_backward() {
+  check_complete();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    armed_->arm();
+  }
   for (const auto& reducer : reducers_) {
     reducer->prepare_for_backward({});
   }
   buffers_stale_ = true;
+}
+
+void check_reductions_complete(const std::vector<at::Tensor>& parameters) {
+  std::vector<const GradientSync*> plain;
+  std::vector<std::shared_ptr<ShardedGradientSync>> sharded;
+  for (const auto& p : parameters) {
+    if (const auto* engine = GradientSync::of(p)) {
+      if (std::find(plain.begin(), plain.end(), engine) == plain.end()) {
+        plain.push_back(engine);
+        engine->check_complete();
+      }
+    } else if (auto engine = ShardedGradientSync::of(p)) {
+      if (std::find(sharded.begin(), sharded.end(), engine) == sharded.end()) {
+        sharded.push_back(engine);
+        engine->check_complete();
+      }
+    }
+  }
 }
 
 void broadcast_from_first_rank(const std::vector<at::Tensor>& tensors, const GroupPtr& group) {

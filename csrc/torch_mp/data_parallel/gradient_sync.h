@@ -10,10 +10,14 @@
 //                                                  are ready it is all-reduced (averaged over
 //                                                  the group) while backward goes on; the
 //                                                  reduced values are written back at its end
+//   the step            check_complete()           raises, naming them, if that backward gave
+//                                                  some parameters no gradient (their buckets
+//                                                  were never reduced: .grad is this rank's own)
 
 #include <torch/arg.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -52,7 +56,13 @@ struct GradientSyncOptions {
   TORCH_ARG(GroupPtr, expert_group) = {};
   /// The ranks holding the same experts (Mesh::expert_dp_group); needed with expert_group.
   TORCH_ARG(GroupPtr, expert_data_group) = {};
+  /// The parameters' names (aligned with them; the module's named_parameters()), for errors.
+  /// Empty: they are named by index and shape.
+  TORCH_ARG(std::vector<std::string>, names) = {};
 };
+
+class ArmedBackward;
+class GradientHooks;
 
 /// Averages the gradients of `parameters` over a data-parallel group, one bucketed all-reduce
 /// per synced backward, overlapped with that backward, and keeps `buffers` equal to rank 0's.
@@ -71,11 +81,20 @@ class GradientSync {
 
   /// Call before a forward (a no-op without autograd): rebuilds the buckets once, after the
   /// first synced backward (every rank of the group does it at the same step), and broadcasts
-  /// the buffers when a synced backward ran since the last broadcast.
+  /// the buffers when a synced backward ran since the last broadcast. Raises, naming them, if
+  /// the last armed backward gave some parameters no gradient.
   void prepare_for_forward();
   /// Arms the reduction: the next backward that accumulates into the parameters all-reduces
-  /// them. Gradients accumulated by earlier backwards (under no_sync) are included.
+  /// them. Gradients accumulated by earlier backwards (under no_sync) are included. Raises,
+  /// naming them, if the last armed backward gave some parameters no gradient.
   void prepare_for_backward();
+  /// Raises, naming them, if the armed backward gave some parameters a gradient but not all:
+  /// their buckets were never all-reduced, so every .grad in them is this rank's own. (No
+  /// find_unused_parameters: every parameter must get a gradient in a synced backward.)
+  void check_complete() const;
+
+  /// The engine that reduces `parameter`'s gradient, or null.
+  static GradientSync* of(const at::Tensor& parameter);
 
   const GroupPtr& group() const { return group_; }
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
@@ -88,7 +107,15 @@ class GradientSync {
   bool buffers_stale_ = false;  // a synced backward ran since the buffers were broadcast
   // One reducer over `group`, and one over the expert-data group for the experts' parameters.
   std::vector<std::shared_ptr<c10d::Reducer>> reducers_;
+  mutable std::mutex mutex_;  // hooks may run on the autograd engine's device threads
+  std::unique_ptr<ArmedBackward> armed_;
+  std::unique_ptr<GradientHooks> hooks_;
 };
+
+/// Raises, naming them, if the last armed backward of a DataParallel (either engine) that
+/// reduces some of `parameters` left parameters without a gradient: what a step must check
+/// before it reads the gradients.
+void check_reductions_complete(const std::vector<at::Tensor>& parameters);
 
 /// Whether `parameter`'s layout says it is sharded over `expert_group` (an expert's; see
 /// GradientSyncOptions::expert_group). False without a group, or for a group of one rank.

@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <sstream>
@@ -11,6 +9,7 @@
 
 #include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/data_parallel/gradient_hooks.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
 
 namespace torch_mp::data_parallel {
@@ -48,11 +47,13 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
   TORCH_CHECK(group_, "DataParallel: no data-parallel group");
   broadcast_from_first_rank(parameters, group_);
   broadcast_from_first_rank(buffers_, group_);
+  auto names = names_requiring_grad(parameters, options.names(), "DataParallel");
   for (auto& p : parameters) {
     if (p.requires_grad()) {
       parameters_.push_back(p);
     }
   }
+  armed_ = std::make_unique<ArmedBackward>(parameters_, std::move(names));
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DataParallel: the parameters that require grad");
   TORCH_CHECK(!parameters_.empty(), "DataParallel: the module has no parameter that requires grad");
@@ -82,39 +83,31 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
     }
   }
   reduced_.resize(layout_.buckets.size());
-  ready_.assign(parameters_.size(), false);
   ready_count_.assign(layout_.buckets.size(), 0);
 }
 
 void ShardedGradientSync::register_hooks() {
   std::weak_ptr<ShardedGradientSync> weak = weak_from_this();
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  for (size_t i = 0; i < parameters_.size(); ++i) {
-    auto& known = registry()[parameters_[i].unsafeGetTensorImpl()];
-    TORCH_CHECK(known.expired(),
-                "DataParallel: a parameter of shape ",
-                parameters_[i].sizes(),
-                " is already wrapped in another DataParallel that shards its gradients");
-    known = weak;
-    // The accumulator is held here: the parameter holds it weakly, and a new one would not
-    // carry the hook.
-    accumulators_.push_back(torch::autograd::impl::grad_accumulator(parameters_[i]));
-    hook_keys_.push_back(accumulators_.back()->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [weak, i](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list&) {
-              if (auto self = weak.lock()) {
-                self->on_gradient(i);
-              }
-              return outputs;
-            })));
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (size_t i = 0; i < parameters_.size(); ++i) {
+      auto& known = registry()[parameters_[i].unsafeGetTensorImpl()];
+      TORCH_CHECK(known.expired(),
+                  "DataParallel: ",
+                  name(i),
+                  " is already wrapped in another DataParallel that shards its gradients");
+      known = weak;
+    }
   }
+  hooks_ = std::make_unique<GradientHooks>(parameters_, [weak](size_t i) {
+    if (auto self = weak.lock()) {
+      self->on_gradient(i);
+    }
+  });
 }
 
 ShardedGradientSync::~ShardedGradientSync() {
-  for (size_t i = 0; i < accumulators_.size(); ++i) {
-    accumulators_[i]->del_post_hook(hook_keys_[i]);
-  }
+  hooks_.reset();
   std::lock_guard<std::mutex> lock(registry_mutex);
   for (const auto& p : parameters_) {
     const auto found = registry().find(p.unsafeGetTensorImpl());
@@ -123,6 +116,8 @@ ShardedGradientSync::~ShardedGradientSync() {
     }
   }
 }
+
+std::string ShardedGradientSync::name(size_t i) const { return armed_->name(i); }
 
 std::shared_ptr<ShardedGradientSync> ShardedGradientSync::of(const at::Tensor& parameter) {
   std::lock_guard<std::mutex> lock(registry_mutex);
@@ -153,8 +148,7 @@ void ShardedGradientSync::prepare_for_backward() {
                 "no_sync()");
   }
   buffers_stale_ = true;
-  armed_ = true;
-  ready_.assign(parameters_.size(), false);
+  armed_->arm();
   ready_count_.assign(layout_.buckets.size(), 0);
   launched_ = 0;
 }
@@ -168,12 +162,12 @@ void ShardedGradientSync::on_gradient(size_t i) {
   const size_t b = bucket_of_[i];
   if (grad_dtype_) {  // into the main gradients, this backward's part
     main_[b].narrow(0, start_of_[i], grad.numel()).add_(flat_view(grad));
+    main_dirty_ = true;
     grad.reset();
   }
-  if (!armed_ || ready_[i]) {
+  if (!armed_->mark(i)) {
     return;
   }
-  ready_[i] = true;
   if (++ready_count_[b] == layout_.buckets[b].parameters.size()) {
     launch(b);
   }
@@ -217,7 +211,7 @@ void ShardedGradientSync::finish() {
     }
   }
   pending_.clear();
-  armed_ = false;
+  main_dirty_ = false;
 }
 
 at::Tensor ShardedGradientSync::piece_gradient(size_t piece) const {
@@ -236,24 +230,20 @@ void ShardedGradientSync::release() {
   }
 }
 
+void ShardedGradientSync::zero_grad() {
+  release();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (main_dirty_) {
+    for (auto& main : main_) {
+      main.zero_();
+    }
+    main_dirty_ = false;
+  }
+}
+
 void ShardedGradientSync::check_complete() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!armed_ || std::find(ready_.begin(), ready_.end(), true) == ready_.end()) {
-    return;  // nothing armed, or an armed backward that has not run yet
-  }
-  std::ostringstream missing;
-  int64_t count = 0;
-  for (size_t i = 0; i < parameters_.size(); ++i) {
-    if (!ready_[i] && count++ < 8) {
-      missing << (count > 1 ? ", " : "") << "parameter " << i << " " << parameters_[i].sizes();
-    }
-  }
-  TORCH_CHECK(false,
-              "DataParallel(shard_gradients=True): the synced backward gave no gradient to ",
-              count,
-              " parameters (",
-              missing.str(),
-              "); every parameter must get one, as there is no find_unused_parameters");
+  armed_->check_complete("DataParallel(shard_gradients=True)");
 }
 
 }  // namespace torch_mp::data_parallel

@@ -12,11 +12,13 @@
 //                      been sent, each rank adds its range into its reduced gradients
 //   optimizer step     the DistributedOptimizer reads this rank's pieces (piece_gradient), then
 //                      release() drops them
+//   zero_grad          (the DistributedOptimizer's or the DataParallel's) drops the reduced
+//                      gradients and the main gradients that backwards added since
 //
 // After a synced backward the parameters' .grad are None: the averaged gradients are here, and
 // only a DistributedOptimizer (and clip_grad_norm_) reads them. Every parameter must get a
 // gradient in a synced backward (there is no find_unused_parameters); one that did not is named
-// at the next step.
+// at the next step, by the module's name for it.
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -25,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "torch_mp/data_parallel/shard_layout.h"
@@ -33,10 +36,6 @@
 namespace c10d {
 class Work;
 }  // namespace c10d
-
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
 
 namespace torch_mp::data_parallel {
 
@@ -49,7 +48,12 @@ struct ShardedGradientSyncOptions {
   TORCH_ARG(std::optional<at::ScalarType>, grad_dtype) = std::nullopt;
   /// Copy rank 0's buffers to every rank before the first forward after each synced backward.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// The parameters' names (aligned with them), for errors; empty: by index and shape.
+  TORCH_ARG(std::vector<std::string>, names) = {};
 };
+
+class ArmedBackward;
+class GradientHooks;
 
 /// Reduce-scatters the gradients of `parameters` over a data-parallel group (see the top of the
 /// file). Made by create(): its gradient hooks hold it weakly.
@@ -81,13 +85,18 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   /// undefined before a synced backward. Raises, naming the parameters, if the last synced
   /// backward left some without a gradient.
   at::Tensor piece_gradient(size_t piece) const;
-  /// Drops the reduced gradients (after the optimizer step that read them; zero_grad).
+  /// Drops the reduced gradients (after the optimizer step that read them).
   void release();
+  /// Drops the reduced gradients and zeros the main gradients (grad_dtype) that backwards
+  /// since the last synced one added: a zero_grad of the optimizer or the module.
+  void zero_grad();
   /// Raises, naming them, if an armed reduction is missing parameters' gradients.
   void check_complete() const;
 
   const ShardLayout& layout() const { return layout_; }
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
+  /// Parameter i's name (or index) and shape, for errors.
+  std::string name(size_t i) const;
   const GroupPtr& group() const { return group_; }
   double bucket_cap_mb() const { return bucket_cap_mb_; }
   /// The dtype the gradients are reduced in: grad_dtype, or that of the parameters.
@@ -124,15 +133,14 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   std::vector<int64_t> start_of_;     // and its first element in it
   std::vector<size_t> piece_bucket_;  // each piece's bucket
   std::vector<int64_t> piece_start_;  // and its first element in this rank's range of it
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  std::unique_ptr<GradientHooks> hooks_;
   std::vector<at::Tensor> main_;     // (grad_dtype) each bucket's main gradients, padded
+  bool main_dirty_ = false;          // something was added to them since they were zeroed
   std::vector<at::Tensor> reduced_;  // each bucket's reduced range; undefined if none yet
 
   mutable std::mutex mutex_;  // hooks may run on the autograd engine's device threads
-  bool armed_ = false;
-  std::vector<bool> ready_;          // per parameter, in the armed backward
-  std::vector<size_t> ready_count_;  // per bucket
+  std::unique_ptr<ArmedBackward> armed_;
+  std::vector<size_t> ready_count_;  // per bucket, in the armed backward
   std::vector<Pending> pending_;
   size_t launched_ = 0;
 };

@@ -35,7 +35,7 @@ void DistributedOptimizer::build(const DistributedOptimizerOptions& options,
 
 void DistributedOptimizer::zero_grad(bool set_to_none) {
   torch::optim::Optimizer::zero_grad(set_to_none);
-  shards_->release_gradients();
+  shards_->zero_gradients();
 }
 
 at::Tensor DistributedOptimizer::step(LossClosure closure) {

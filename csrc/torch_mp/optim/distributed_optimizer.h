@@ -96,9 +96,10 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// updated parameters. Collective over the group.
   at::Tensor step(LossClosure closure = nullptr) override;
 
-  /// Zeros the parameters' gradients, as any optimizer, and drops the reduced gradients a
-  /// DataParallel(shard_gradients=True) holds for them. (Through a torch::optim::Optimizer&,
-  /// the base's zero_grad runs; those are dropped after every step anyway.)
+  /// Zeros the parameters' gradients, as any optimizer, and drops the reduced and main
+  /// gradients a DataParallel(shard_gradients=True or grad_dtype) holds for them. (Through a
+  /// torch::optim::Optimizer&, the base's zero_grad runs: reduced gradients are dropped after
+  /// every step anyway, and the DataParallel's zero_grad drops the main gradients too.)
   void zero_grad(bool set_to_none = true);
 
   /// The optimizer over this rank's shards, which holds its state.

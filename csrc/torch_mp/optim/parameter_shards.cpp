@@ -5,12 +5,15 @@
 
 #include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/data_parallel/gradient_hooks.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
 #include "torch_mp/data_parallel/sharded_gradient_sync.h"
 
 namespace torch_mp::optim {
 
 using data_parallel::flat_view;
+using data_parallel::GradientSync;
+using data_parallel::parameter_name;
 using data_parallel::ShardBucket;
 using data_parallel::ShardedGradientSync;
 
@@ -19,17 +22,25 @@ namespace {
 // The engine that reduce-scatters the gradients of `parameters`, if a DataParallel shards them;
 // raises unless it holds exactly these parameters, in this order (its layout is then ours).
 std::shared_ptr<ShardedGradientSync> sharding_engine(const std::vector<at::Tensor>& parameters,
+                                                     const std::vector<std::string>& names,
                                                      const GroupPtr& group) {
   std::shared_ptr<ShardedGradientSync> engine;
   for (const auto& p : parameters) {
-    auto found = ShardedGradientSync::of(p);
-    TORCH_CHECK(!engine || found == engine,
-                "DistributedOptimizer: its parameters must all be those of one DataParallel "
-                "that shards gradients, or none");
-    engine = found;
+    engine = ShardedGradientSync::of(p);
+    if (engine) {
+      break;
+    }
   }
   if (!engine) {
     return nullptr;
+  }
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    TORCH_CHECK(ShardedGradientSync::of(parameters[i]) == engine,
+                "DistributedOptimizer: ",
+                parameter_name(names, parameters, i),
+                " is not in the DataParallel(shard_gradients=True) that reduces the others' "
+                "gradients; give the optimizer exactly that module's parameters "
+                "(module.parameters()), with every other parameter in another optimizer");
   }
   const auto& held = engine->parameters();
   bool same = held.size() == parameters.size();
@@ -46,6 +57,28 @@ std::shared_ptr<ShardedGradientSync> sharding_engine(const std::vector<at::Tenso
   return engine;
 }
 
+// Raises, naming the first, unless a DataParallel (or PyTorch's DDP, whose Reducer hooks the
+// gradient accumulators as ours do) averages every parameter's gradient over the group, and
+// their last synced backwards gave each of them a gradient.
+void check_gradients_averaged(const std::vector<at::Tensor>& parameters,
+                              const std::vector<std::string>& names,
+                              const GroupPtr& group) {
+  if (group->getSize() == 1) {
+    return;  // this rank's gradients are the average
+  }
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    TORCH_CHECK(GradientSync::of(parameters[i]) || data_parallel::has_gradient_hooks(parameters[i]),
+                "DistributedOptimizer: ",
+                parameter_name(names, parameters, i),
+                " is not in a torch_mp.DataParallel (nor a DistributedDataParallel), so its "
+                "gradient is this rank's own, not the average over the ",
+                group->getSize(),
+                " data-parallel ranks; wrap the module that holds it, or step it with another "
+                "optimizer");
+  }
+  data_parallel::check_reductions_complete(parameters);
+}
+
 }  // namespace
 
 ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
@@ -53,19 +86,28 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
                                  ParameterShardsOptions options)
     : parameters_(std::move(parameters)),
       group_(std::move(group)),
+      names_(options.names()),
       master_dtype_(options.master_dtype()) {
   TORCH_CHECK(group_, "DistributedOptimizer: no data-parallel group");
   // (A refusal every rank meets alike: the ranks of the group hold the same module.)
-  for (const auto& p : parameters_) {
-    TORCH_CHECK(!data_parallel::is_expert_parameter(p, options.expert_group()),
-                "DistributedOptimizer: a mixture of experts' expert parameters (shape ",
-                p.sizes(),
-                ", sharded over the expert group) are not sharded by the distributed "
-                "optimizer yet; step them with a plain optimizer");
+  TORCH_CHECK(names_.empty() || names_.size() == parameters_.size(),
+              "DistributedOptimizer: ",
+              names_.size(),
+              " parameter names for ",
+              parameters_.size(),
+              " parameters");
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    TORCH_CHECK(
+        !data_parallel::is_expert_parameter(parameters_[i], options.expert_group()),
+        "DistributedOptimizer: ",
+        parameter_name(names_, parameters_, i),
+        " is one of a mixture of experts' expert parameters (sharded over the expert group): "
+        "they are not sharded by the distributed optimizer yet; step them with a plain "
+        "optimizer");
   }
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DistributedOptimizer: the parameters of the data-parallel ranks");
-  gradients_ = sharding_engine(parameters_, group_);
+  gradients_ = sharding_engine(parameters_, names_, group_);
   const double cap = gradients_ ? gradients_->bucket_cap_mb() : options.bucket_cap_mb();
   layout_ = data_parallel::ShardLayout::of(
       parameters_, group_->getSize(), group_->getRank(), cap, "DistributedOptimizer");
@@ -94,6 +136,7 @@ void ParameterShards::take_gradients() {
                   "optimizer reduces its parameters' gradients, so it would find none; build the "
                   "optimizer after wrapping the module");
     }
+    check_gradients_averaged(parameters_, names_, group_);
   }
   for (size_t s = 0; s < pieces.size(); ++s) {
     at::Tensor& target = shards_[s].mutable_grad();
@@ -119,6 +162,13 @@ void ParameterShards::release_gradients() {
   }
   if (gradients_) {
     gradients_->release();
+  }
+}
+
+void ParameterShards::zero_gradients() {
+  release_gradients();
+  if (gradients_) {
+    gradients_->zero_grad();
   }
 }
 

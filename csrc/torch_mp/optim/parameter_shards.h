@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "torch_mp/data_parallel/shard_layout.h"
@@ -38,6 +39,8 @@ struct ParameterShardsOptions {
   /// The mesh's expert group: parameters sharded over it (a mixture of experts' experts) are
   /// refused, not sharded (yet).
   TORCH_ARG(GroupPtr, expert_group) = {};
+  /// The parameters' names (aligned with them), for errors; empty: by index and shape.
+  TORCH_ARG(std::vector<std::string>, names) = {};
 };
 
 using data_parallel::ShardPiece;
@@ -70,9 +73,15 @@ class ParameterShards {
 
   /// Points each shard's `.grad` at its averaged gradient elements (converted to the shard's
   /// dtype where they differ); a parameter without a gradient leaves its shards without one.
+  /// Raises on every rank of a group of more than one, naming it, for a parameter whose
+  /// gradient nothing averages over the group (no DataParallel or DistributedDataParallel
+  /// holds it), and for one that the last synced backward gave no gradient: stepping either
+  /// would step this rank's own gradient, and the replicas would drift apart.
   void take_gradients();
   /// Drops the shards' `.grad` (and a sharding DataParallel's reduced gradients, once stepped).
   void release_gradients();
+  /// release_gradients(), and a sharding DataParallel's main gradients zeroed: zero_grad.
+  void zero_gradients();
   /// Writes master shards back into their parameters (rounded), then all-gathers every bucket,
   /// so every rank holds every rank's updated elements. Collective over the group.
   void gather_parameters();
@@ -96,6 +105,7 @@ class ParameterShards {
 
   std::vector<at::Tensor> parameters_;
   GroupPtr group_;
+  std::vector<std::string> names_;
   std::optional<at::ScalarType> master_dtype_;
   bool masters_ = false;
   data_parallel::ShardLayout layout_;
