@@ -20,6 +20,10 @@ which sees every tensor the C++ core and c10d allocate on the calling thread), t
   buckets, the sharded gradients, fp32 main gradients), and the total of the three then;
 - the peak during a step, and the median step time (the slowest rank's, between barriers).
 
+Then the step times again, with every setup built at once and stepped in turn, round after round
+(``--rounds``): the ratios to DDP and to ZeroRedundancyOptimizer from that table are measured
+side by side, on the same machine at the same moments.
+
 Beside the measured total, the formula for it in units of Psi (the model's parameters), with
 Adam's 8 bytes of moments per fp32 parameter and N data ranks. Every rank of one machine shares
 its two cores: the step times compare the setups with one another, not with a real cluster.
@@ -52,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=256, help="of the activation benchmark")
     parser.add_argument("--hidden", type=int, default=512, help="of the activation benchmark")
     parser.add_argument("--heads", type=int, default=8, help="of the activation benchmark")
+    parser.add_argument(
+        "--rounds", type=int, default=8, help="of the alternating step times (0: none)"
+    )
     parser.add_argument(
         "--activations-only", action="store_true", help="only the activation benchmark"
     )
@@ -169,20 +176,27 @@ def barrier_time(fn, group) -> float:
     return time.perf_counter() - start
 
 
-def measure(build, args, mesh, timing_group) -> dict:
+def stepper(built, args, mesh, after_backward=lambda: None) -> Callable[[], None]:
+    """One training step of a built setup on this rank's batch."""
+    wrapped, _, optimizer, dtype = built
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(mesh.dp_rank))
+    inputs = x.to(dtype)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        wrapped(inputs).float().square().mean().backward()
+        after_backward()
+        optimizer.step()
+
+    return step
+
+
+def measure(build, args, mesh, timing_group) -> dict:
     with PeakMemory() as counter:
-        wrapped, model, optimizer, dtype = build()
-        inputs = x.to(dtype)
-
+        built = build()
+        wrapped, model, optimizer, dtype = built
         held = [0]  # what lives when the optimizer steps: gradients (and buffers) included
-
-        def step() -> None:
-            optimizer.zero_grad()
-            wrapped(inputs).float().square().mean().backward()
-            held[0] = counter.current
-            optimizer.step()
-
+        step = stepper(built, args, mesh, lambda: held.__setitem__(0, counter.current))
         step()  # the state exists from the first step on
         between = counter.current
         counter.peak = 0
@@ -201,6 +215,22 @@ def measure(build, args, mesh, timing_group) -> dict:
         "peak": peak,
         "time": statistics.median(times),
     }
+
+
+def alternating_times(builds: dict[str, Callable], args, mesh, timing_group) -> dict[str, float]:
+    """The median step time of each setup, all built at once and stepped in turn, round after
+    round (each round in another order), so that every setup sees the same machine: the ratios
+    between them are what the speed claims rest on."""
+    steps = {}
+    for name, build in builds.items():
+        steps[name] = stepper(build(), args, mesh)
+        steps[name]()  # the state exists from the first step on
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(barrier_time(steps[name], timing_group))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def activation_memory(args) -> list[tuple[str, float, float]]:
@@ -270,6 +300,19 @@ def main() -> None:
                 f"{formula:.1f} Psi = {formula * psi / MB:.0f} | {r['peak'] / MB:.0f} | "
                 f"{r['time'] * 1e3:.0f} ms |"
             )
+    if results and args.rounds:
+        timed = {name: build for name, (build, _) in setups(mesh, args).items()}
+        times = alternating_times(timed, args, mesh, timing)
+        if rank == 0:
+            print(
+                f"\nStep times, every setup built at once and stepped in turn ({args.rounds} "
+                "rounds, median):\n"
+            )
+            print("| setup | step time | / DDP | / ZeroRedundancyOptimizer |")
+            print("|---|---|---|---|")
+            ddp, zero = times["DDP + AdamW"], times["DDP + ZeroRedundancyOptimizer"]
+            for name, t in times.items():
+                print(f"| {name} | {t * 1e3:.0f} ms | {t / ddp:.2f} | {t / zero:.2f} |")
     if rank == 0:
         s, b, h, a = args.seq, 1, args.hidden, args.heads
         print(

@@ -40,8 +40,9 @@ class DataParallel(nn.Module):
             context rank's gradient covers its part of the sequence) when None.
         mesh: Takes ``mesh.dp_cp_group``; pass ``group`` or ``mesh``, not both.
         bucket_cap_mb: Size of a gradient bucket in MiB.
-        gradient_as_bucket_view: Make each ``.grad`` a view into its bucket (saves a copy and
-            memory) instead of copying gradients into the buckets and back.
+        gradient_as_bucket_view: Make each ``.grad`` a view into its bucket (the default: the
+            gradients and the buckets are one copy, not two; DDP's default is False) instead of
+            copying gradients into the buckets and back. Either way the sums are the same.
         broadcast_buffers: Copy rank 0's buffers (BatchNorm statistics) to every rank before the
             first forward of each synced step.
         comm_hook: ``None``, ``"fp16"`` or ``"bf16"``: all-reduce the buckets in 16 bits (half the
@@ -85,7 +86,7 @@ class DataParallel(nn.Module):
         *,
         mesh: Mesh | None = None,
         bucket_cap_mb: float = 25.0,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         broadcast_buffers: bool = True,
         comm_hook: str | None = None,
         shard_gradients: bool = False,
@@ -108,11 +109,8 @@ class DataParallel(nn.Module):
         names = [name for name, _ in module.named_parameters()]
         _check_plain_optimizers()
         if self.shard_gradients:
-            if comm_hook is not None or gradient_as_bucket_view:
-                raise ValueError(
-                    "DataParallel: shard_gradients (or grad_dtype) takes no comm_hook and no "
-                    "gradient_as_bucket_view"
-                )
+            if comm_hook is not None:  # (its engine has no c10d buckets to view)
+                raise ValueError("DataParallel: shard_gradients (or grad_dtype) takes no comm_hook")
             for p in module.parameters():
                 if _C.data_parallel.is_expert_parameter(p, expert_names[0]):
                     raise ValueError(

@@ -254,3 +254,23 @@ def _scalar_parameter_reloads(how: str, path: str) -> None:
 @pytest.mark.parametrize("how", ["state_dict", "plain state_dict", "checkpoint"])
 def test_a_scalar_parameter_steps_after_a_load(how, world, tmp_path):
     world.run(_scalar_parameter_reloads, how, str(tmp_path / "ckpt"))
+
+
+# ---- parameters moved after the optimizer was built -------------------------------------------
+
+
+def _model_moved_after_the_optimizer() -> str | None:
+    mesh = use_mesh(1)
+    model = _mlp()
+    wrapped = torch_mp.DataParallel(model, mesh=mesh)
+    optimizer = torch_mp.DistributedOptimizer(model.parameters(), torch.optim.SGD, mesh=mesh, lr=LR)
+    model[0].weight.data = model[0].weight.data.clone()  # as module.to(...) does
+    x, y = _batch(6, mesh.dp_size)
+    _loss(wrapped, _mine(x, mesh), _mine(y, mesh)).backward()
+    return error_of(optimizer.step)
+
+
+def test_parameters_moved_after_the_optimizer_are_refused(world):
+    for message in world.run(_model_moved_after_the_optimizer):
+        assert message is not None and "was replaced after the optimizer was built" in message
+        assert "parameter 0 [12, 6]" in message, message

@@ -17,9 +17,8 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
   register_module("module", module);
   const auto names = module->named_parameters().keys();
   if (options.shard_gradients() || options.grad_dtype()) {
-    TORCH_CHECK(options.comm_hook() == CommHook::kNone && !options.gradient_as_bucket_view(),
-                "DataParallel: shard_gradients (or grad_dtype) takes no comm_hook and no "
-                "gradient_as_bucket_view");
+    TORCH_CHECK(options.comm_hook() == CommHook::kNone,
+                "DataParallel: shard_gradients (or grad_dtype) takes no comm_hook");
     for (const auto& p : module->parameters()) {
       TORCH_CHECK(!is_expert_parameter(p, options.expert_group()),
                   "DataParallel: shard_gradients (or grad_dtype) does not take a mixture of "

@@ -33,7 +33,9 @@ struct DataParallelOptions {
   TORCH_ARG(GroupPtr, group) = {};
   /// Size of a gradient bucket in MiB.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
-  /// Make each `.grad` a view into its bucket instead of copying.
+  /// Make each `.grad` a view into its bucket instead of copying (one copy of the gradients,
+  /// not two). Off by default, unlike Python's: LibTorch's optimizers detach_() the gradients
+  /// in zero_grad, which views refuse. Not used by shard_gradients, which has no such buckets.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before each synced step's
   /// first forward, as DDP does.

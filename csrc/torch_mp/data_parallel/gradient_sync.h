@@ -41,7 +41,8 @@ struct GradientSyncOptions {
   /// Size of a gradient bucket in MiB (DDP's bucket_cap_mb).
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   /// Make each `.grad` a view into its bucket (saves a copy and the memory of the gradients)
-  /// instead of copying gradients into the buckets and back.
+  /// instead of copying gradients into the buckets and back. (torch_mp.DataParallel sets it;
+  /// LibTorch's optimizers detach_() gradients in zero_grad, which views refuse.)
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// Gradient compression for the all-reduce.
   TORCH_ARG(CommHook, comm_hook) = CommHook::kNone;

@@ -161,6 +161,10 @@ void ShardedGradientSync::on_gradient(size_t i) {
   }
   const size_t b = bucket_of_[i];
   if (grad_dtype_) {  // into the main gradients, this backward's part
+    TORCH_CHECK(!reduced_[b].defined(),
+                "DataParallel(grad_dtype=...): a backward ran while the main gradients hold the "
+                "last synced backward's reduced gradients, which no step has taken yet; step "
+                "the DistributedOptimizer (or zero_grad) before the next backward");
     main_[b].narrow(0, start_of_[i], grad.numel()).add_(flat_view(grad));
     main_dirty_ = true;
     grad.reset();
@@ -189,7 +193,9 @@ void ShardedGradientSync::launch(size_t b) {
     }
   }
   input.div_(size);  // averaged, as DDP divides before it sums
-  at::Tensor output = at::empty({bucket.chunk}, input.options());
+  // The main gradients receive their own range of the sum in place (no buffer of its own).
+  at::Tensor output = grad_dtype_ ? input.narrow(0, group_->getRank() * bucket.chunk, bucket.chunk)
+                                  : at::empty({bucket.chunk}, input.options());
   std::vector<at::Tensor> outputs{output};
   std::vector<std::vector<at::Tensor>> inputs(1);
   for (int64_t r = 0; r < size; ++r) {
@@ -204,10 +210,15 @@ void ShardedGradientSync::launch(size_t b) {
 void ShardedGradientSync::finish() {
   for (auto& pending : pending_) {
     comm::wait(pending.work, group_, "reduce_scatter");
-    at::Tensor& reduced = reduced_[pending.bucket];
-    reduced = reduced.defined() ? reduced.add_(pending.output) : pending.output;
-    if (grad_dtype_) {
-      main_[pending.bucket].zero_();  // sent: the next step accumulates afresh
+    // (prepare_for_backward refused to arm while reduced gradients were held)
+    TORCH_INTERNAL_ASSERT(!reduced_[pending.bucket].defined());
+    reduced_[pending.bucket] = pending.output;
+    if (grad_dtype_) {  // sent: the other ranks' ranges start the next step afresh
+      const int64_t chunk = layout_.buckets[pending.bucket].chunk;
+      const int64_t rank = group_->getRank();
+      at::Tensor& main = main_[pending.bucket];
+      main.narrow(0, 0, rank * chunk).zero_();
+      main.narrow(0, (rank + 1) * chunk, main.numel() - (rank + 1) * chunk).zero_();
     }
   }
   pending_.clear();
@@ -226,6 +237,9 @@ at::Tensor ShardedGradientSync::piece_gradient(size_t piece) const {
 void ShardedGradientSync::release() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& r : reduced_) {
+    if (r.defined() && grad_dtype_) {
+      r.zero_();  // (this rank's range of the main gradients, where the next step accumulates)
+    }
     r.reset();
   }
 }

@@ -8,8 +8,9 @@
 //                      gradient bucket and dropped from .grad, micro-batch after micro-batch
 //   synced backward    as the last parameter of a bucket gets its gradient, the bucket (the main
 //                      gradients, or the .grads copied out and dropped) is divided by the group
-//                      size and reduce-scattered, while backward goes on; when every bucket has
-//                      been sent, each rank adds its range into its reduced gradients
+//                      size and reduce-scattered, while backward goes on (with grad_dtype into
+//                      this rank's own range of the main gradients, in place: the main
+//                      gradients and their shard are one buffer, 4 bytes per parameter)
 //   optimizer step     the DistributedOptimizer reads this rank's pieces (piece_gradient), then
 //                      release() drops them
 //   zero_grad          (the DistributedOptimizer's or the DataParallel's) drops the reduced
@@ -134,9 +135,10 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   std::vector<size_t> piece_bucket_;  // each piece's bucket
   std::vector<int64_t> piece_start_;  // and its first element in this rank's range of it
   std::unique_ptr<GradientHooks> hooks_;
-  std::vector<at::Tensor> main_;     // (grad_dtype) each bucket's main gradients, padded
-  bool main_dirty_ = false;          // something was added to them since they were zeroed
-  std::vector<at::Tensor> reduced_;  // each bucket's reduced range; undefined if none yet
+  std::vector<at::Tensor> main_;  // (grad_dtype) each bucket's main gradients, padded
+  bool main_dirty_ = false;       // something was added to them since they were zeroed
+  // Each bucket's reduced range (with grad_dtype a view of main_); undefined if none yet.
+  std::vector<at::Tensor> reduced_;
 
   mutable std::mutex mutex_;  // hooks may run on the autograd engine's device threads
   std::unique_ptr<ArmedBackward> armed_;

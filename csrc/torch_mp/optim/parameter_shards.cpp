@@ -111,6 +111,26 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
   const double cap = gradients_ ? gradients_->bucket_cap_mb() : options.bucket_cap_mb();
   layout_ = data_parallel::ShardLayout::of(
       parameters_, group_->getSize(), group_->getRank(), cap, "DistributedOptimizer");
+  if (group_->getSize() > 1) {
+    // From now on each bucket is one flat tensor and its parameters are views of their ranges
+    // (their identity stays), so that the all-gather after a step writes into the parameters
+    // themselves: no copy into a send buffer, none out of the received one.
+    at::NoGradGuard no_grad;
+    for (const ShardBucket& bucket : layout_.buckets) {
+      at::Tensor flat = at::zeros({bucket.chunk * group_->getSize()},
+                                  at::TensorOptions().dtype(bucket.dtype).device(bucket.device));
+      for (size_t j = 0; j < bucket.parameters.size(); ++j) {
+        const at::Tensor& p = parameters_[bucket.parameters[j]];
+        at::Tensor range = flat.narrow(0, bucket.starts[j], p.numel());
+        range.copy_(flat_view(p));
+        p.set_data(range.view(p.sizes()));
+      }
+      flat_.push_back(std::move(flat));
+    }
+  }
+  for (const auto& p : parameters_) {
+    data_of_.push_back(p.data_ptr());
+  }
   for (const ShardPiece& piece : layout_.pieces) {
     const at::Tensor& p = parameters_[piece.parameter];
     at::Tensor view = flat_view(p).narrow(0, piece.offset, piece.numel);
@@ -129,6 +149,14 @@ at::ScalarType ParameterShards::shard_dtype(const ShardBucket& bucket) const {
 
 void ParameterShards::take_gradients() {
   const auto& pieces = layout_.pieces;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    TORCH_CHECK(parameters_[i].data_ptr() == data_of_[i],
+                "DistributedOptimizer: the data of ",
+                parameter_name(names_, parameters_, i),
+                " was replaced after the optimizer was built (by module.to(...), or an "
+                "assignment to .data), so its steps would no longer reach it; build the "
+                "optimizer after the model is in its final dtype and device");
+  }
   if (!gradients_) {  // a sharding DataParallel made after us would leave every .grad empty
     for (const auto& p : parameters_) {
       TORCH_CHECK(!ShardedGradientSync::of(p),
@@ -186,17 +214,10 @@ void ParameterShards::gather_parameters() {
   if (group_->getSize() == 1) {
     return;  // the shards are the whole parameters
   }
-  std::vector<at::Tensor> own;
-  own.reserve(pieces.size());
-  for (const ShardPiece& piece : pieces) {
-    own.push_back(flat_view(parameters_[piece.parameter]).narrow(0, piece.offset, piece.numel));
-  }
-  for (const ShardBucket& bucket : layout_.buckets) {
-    const at::Tensor all = gather_bucket(bucket, own, bucket.dtype);
-    for (size_t j = 0; j < bucket.parameters.size(); ++j) {
-      const at::Tensor& p = parameters_[bucket.parameters[j]];
-      flat_view(p).copy_(all.narrow(0, bucket.starts[j], p.numel()));
-    }
+  const int64_t rank = group_->getRank();
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const int64_t chunk = layout_.buckets[b].chunk;
+    comm::all_gather_into(flat_[b], flat_[b].narrow(0, rank * chunk, chunk), group_);
   }
 }
 

@@ -6,7 +6,10 @@
 // Their gradients are the parameters' (averaged by DataParallel: ZeRO-1), or this rank's range
 // of the reduce-scatter of a DataParallel that shards gradients (ZeRO-2,
 // data_parallel/sharded_gradient_sync.h). After the local optimizer steps the shards,
-// gather_parameters() all-gathers every bucket, so each rank holds the whole updated model.
+// gather_parameters() all-gathers every bucket, so each rank holds the whole updated model. Over
+// more than one rank the buckets are the parameters' storage: each parameter becomes a view of
+// its range of one flat tensor per bucket (the same tensor to autograd, modules and optimizers),
+// which the all-gather fills in place.
 // Both front ends' DistributedOptimizer are thin wrappers of this class.
 
 #include <ATen/core/Tensor.h>
@@ -50,8 +53,9 @@ using data_parallel::ShardPiece;
 class ParameterShards {
  public:
   /// Raises on every rank if the ranks' parameters differ in number, shape or dtype, and if a
-  /// parameter is not contiguous (its flat view would not be its elements). Parameters whose
-  /// gradients a DataParallel(shard_gradients=True) reduces must be all of its parameters, in
+  /// parameter is not contiguous (its flat view would not be its elements). Over more than one
+  /// rank, moves the parameters' data into the flat buckets (see the top of the file). Parameters
+  /// whose gradients a DataParallel(shard_gradients=True) reduces must be all of its parameters, in
   /// its order.
   ParameterShards(std::vector<at::Tensor> parameters,
                   GroupPtr group,
@@ -76,7 +80,8 @@ class ParameterShards {
   /// Raises on every rank of a group of more than one, naming it, for a parameter whose
   /// gradient nothing averages over the group (no DataParallel or DistributedDataParallel
   /// holds it), and for one that the last synced backward gave no gradient: stepping either
-  /// would step this rank's own gradient, and the replicas would drift apart.
+  /// would step this rank's own gradient, and the replicas would drift apart. Raises too if a
+  /// parameter's data was replaced since construction (module.to(...)): the step would miss it.
   void take_gradients();
   /// Drops the shards' `.grad` (and a sharding DataParallel's reduced gradients, once stepped).
   void release_gradients();
@@ -109,6 +114,8 @@ class ParameterShards {
   std::optional<at::ScalarType> master_dtype_;
   bool masters_ = false;
   data_parallel::ShardLayout layout_;
+  std::vector<at::Tensor> flat_;      // each bucket's storage of its parameters (groups of > 1)
+  std::vector<const void*> data_of_;  // where each parameter's data lives (checked at a step)
   std::vector<at::Tensor> shards_;
   std::shared_ptr<data_parallel::ShardedGradientSync> gradients_;
 };
