@@ -1,6 +1,7 @@
 """Memory per data-parallel rank: DDP + AdamW, torch's ZeroRedundancyOptimizer, FSDP2's
 ``fully_shard``, and torch_mp's DistributedOptimizer (ZeRO-1), with sharded gradients (ZeRO-2),
-and bf16 with fp32 main gradients and masters; with the step time of each. Then activation
+each with its all-gather overlapped with the next forward too, and bf16 with fp32 main
+gradients and masters; with the step time of each. Then activation
 memory of a transformer layer with and without recomputation.
 
 Run on CPU with Gloo, once per data-parallel size::
@@ -130,21 +131,20 @@ def setups(mesh, args) -> dict[str, Callable]:
         fully_shard(model, mesh=dp_mesh)
         return model, model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.float32
 
-    def zero1():
-        model = model_of(args)
-        wrapped = torch_mp.DataParallel(model, mesh=mesh)
-        optimizer = torch_mp.DistributedOptimizer(
-            model.parameters(), torch.optim.AdamW, mesh=mesh, lr=1e-4
-        )
-        return wrapped, model, optimizer, torch.float32
+    def zero(stage: int, overlap: bool = False):
+        def build():
+            model = model_of(args)
+            wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_gradients=stage == 2)
+            optimizer = torch_mp.DistributedOptimizer(
+                model.parameters(),
+                torch.optim.AdamW,
+                mesh=mesh,
+                lr=1e-4,
+                overlap_param_gather=overlap,
+            )
+            return wrapped, model, optimizer, torch.float32
 
-    def zero2():
-        model = model_of(args)
-        wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_gradients=True)
-        optimizer = torch_mp.DistributedOptimizer(
-            model.parameters(), torch.optim.AdamW, mesh=mesh, lr=1e-4
-        )
-        return wrapped, model, optimizer, torch.float32
+        return build
 
     def bf16():
         model = model_of(args).to(torch.bfloat16)
@@ -162,8 +162,10 @@ def setups(mesh, args) -> dict[str, Callable]:
         "DDP + AdamW": (ddp, lambda n: 16),  # (and DDP's buckets, a second copy of the grads)
         "DDP + ZeroRedundancyOptimizer": (zero_redundancy, lambda n: 8 + 8 / n),
         "FSDP2 fully_shard": (fsdp2, lambda n: 16 / n),
-        "torch_mp ZeRO-1": (zero1, lambda n: 8 + 8 / n),
-        "torch_mp ZeRO-2": (zero2, lambda n: 4 + 12 / n),
+        "torch_mp ZeRO-1": (zero(1), lambda n: 8 + 8 / n),
+        "torch_mp ZeRO-1, overlap_param_gather": (zero(1, True), lambda n: 8 + 8 / n),
+        "torch_mp ZeRO-2": (zero(2), lambda n: 4 + 12 / n),
+        "torch_mp ZeRO-2, overlap_param_gather": (zero(2, True), lambda n: 4 + 12 / n),
         "torch_mp bf16, fp32 grads + masters": (bf16, lambda n: 6 + 12 / n),
     }
 

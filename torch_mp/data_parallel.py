@@ -108,6 +108,7 @@ class DataParallel(nn.Module):
         self.shard_gradients = shard_gradients or grad_dtype is not None
         names = [name for name, _ in module.named_parameters()]
         _check_plain_optimizers()
+        _wait_for_parameter_gathers(module)
         if self.shard_gradients:
             if comm_hook is not None:  # (its engine has no c10d buckets to view)
                 raise ValueError("DataParallel: shard_gradients (or grad_dtype) takes no comm_hook")
@@ -183,6 +184,24 @@ class DataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+
+def _wait_for_parameter_gathers(module: nn.Module) -> None:
+    """Makes each submodule that holds parameters wait, just before its forward, for a
+    ``DistributedOptimizer(overlap_param_gather=True)``'s all-gather of the buckets that hold
+    them; and ``module.state_dict()`` for all of them."""
+    from torch_mp.optim import distributed_optimizer
+
+    def wait(parameters: list[torch.Tensor]) -> None:
+        if distributed_optimizer.overlapping:
+            _C.optim.wait_for_gathers(parameters)
+
+    for m in module.modules():
+        own = list(m.parameters(recurse=False))
+        if own:
+            m.register_forward_pre_hook(lambda _m, _args, own=own: wait(own))
+    everything = list(module.parameters())
+    module.register_state_dict_pre_hook(lambda *_: wait(everything))
 
 
 _plain_optimizer_hook = None

@@ -31,13 +31,19 @@ std::vector<at::Tensor> undefined_for_none(const std::vector<std::optional<at::T
 void bind_optim(py::module_& parent) {
   using namespace torch_mp::optim;
   auto m = parent.def_submodule("optim", "The distributed optimizer's parameter shards");
+  m.def("wait_for_gathers",
+        &wait_for_gathers,
+        py::arg("parameters"),
+        ReleaseGil(),
+        "Waits for a DistributedOptimizer's overlapped all-gather of these parameters.");
   py::class_<ParameterShards>(m, "ParameterShards", "Parameters cut over a data-parallel group.")
       .def(py::init([](std::vector<at::Tensor> parameters,
                        const std::string& group,
                        double bucket_cap_mb,
                        std::optional<at::ScalarType> master_dtype,
                        const std::string& expert_group,
-                       std::vector<std::string> names) {
+                       std::vector<std::string> names,
+                       bool overlap_param_gather) {
              return std::make_unique<ParameterShards>(
                  std::move(parameters),
                  resolve(group),
@@ -45,7 +51,8 @@ void bind_optim(py::module_& parent) {
                      .bucket_cap_mb(bucket_cap_mb)
                      .master_dtype(master_dtype)
                      .expert_group(group_named_or_none(expert_group))
-                     .names(std::move(names)));
+                     .names(std::move(names))
+                     .overlap_param_gather(overlap_param_gather));
            }),
            py::arg("parameters"),
            py::arg("group"),
@@ -53,6 +60,7 @@ void bind_optim(py::module_& parent) {
            py::arg("master_dtype"),
            py::arg("expert_group") = "",
            py::arg("names") = std::vector<std::string>{},
+           py::arg("overlap_param_gather") = false,
            ReleaseGil())
       .def_property_readonly("shards", &ParameterShards::shards)
       .def_property_readonly("pieces",
@@ -67,6 +75,8 @@ void bind_optim(py::module_& parent) {
       .def("take_gradients", &ParameterShards::take_gradients)
       .def("release_gradients", &ParameterShards::release_gradients)
       .def("zero_gradients", &ParameterShards::zero_gradients)
+      .def("wait_for_parameters", &ParameterShards::wait_for_parameters, ReleaseGil())
+      .def_property_readonly("pending_gathers", &ParameterShards::pending_gathers)
       .def("gather_parameters", &ParameterShards::gather_parameters, ReleaseGil())
       .def(
           "gather",

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/WrapDimMinimal.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <string>
 
@@ -89,6 +90,12 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
 }
 
 void all_gather_into(const at::Tensor& output, const at::Tensor& input, const GroupPtr& group) {
+  wait_for(start_all_gather_into(output, input, group), group, "all_gather");
+}
+
+c10::intrusive_ptr<c10d::Work> start_all_gather_into(const at::Tensor& output,
+                                                     const at::Tensor& input,
+                                                     const GroupPtr& group) {
   check_group(group);
   const int64_t chunk = input.numel();
   TORCH_CHECK(
@@ -100,12 +107,20 @@ void all_gather_into(const at::Tensor& output, const at::Tensor& input, const Gr
       " elements; got ",
       output.sizes());
   check_operands(input, group, "all_gather");
-  std::vector<at::Tensor> inputs{input.reshape({-1}).contiguous()};
+  at::Tensor flat = input.reshape({-1}).contiguous();
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 14
+  // Straight into the output, which may hold the input in place (this rank's range): no
+  // gathered copy to unpack, on Gloo as on NCCL.
+  at::Tensor out = output;  // (the same tensor; the call takes a mutable reference)
+  return group->all_gather_single(out, flat);
+#else
+  std::vector<at::Tensor> inputs{flat};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int i = 0; i < group->getSize(); ++i) {
     outputs[0].push_back(output.narrow(0, i * chunk, chunk));
   }
-  wait_for(group->allgather(outputs, inputs), group, "all_gather");
+  return group->allgather(outputs, inputs);
+#endif
 }
 
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group) {

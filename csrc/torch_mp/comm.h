@@ -30,8 +30,13 @@ at::Tensor all_reduce(const at::Tensor& x,
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group);
 
 /// Writes the group's `input`s into `output` (1-D, group size x input's elements), in rank
-/// order: an all-gather without the concatenation's copy. `input` must not alias `output`.
+/// order: an all-gather without the concatenation's copy. `input` may be this rank's range of
+/// `output` (in place).
 void all_gather_into(const at::Tensor& output, const at::Tensor& input, const GroupPtr& group);
+/// all_gather_into, started: `output` is complete once the returned work is waited for (wait).
+c10::intrusive_ptr<c10d::Work> start_all_gather_into(const at::Tensor& output,
+                                                     const at::Tensor& input,
+                                                     const GroupPtr& group);
 
 /// Waits for an asynchronous collective `op` on `group`, turning a dead or silent peer into an
 /// error that says so.

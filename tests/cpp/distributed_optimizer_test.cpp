@@ -346,6 +346,33 @@ TEST(DistributedOptimizer, ParametersThatDifferAcrossRanksRaiseOnEveryRank) {
   }
 }
 
+TEST_P(DistributedOptimizerWorld, AnOverlappedAllGatherIsWaitedForByTheNextForward) {
+  testing::run_on_mesh(GetParam(), testing::test_options(1), [&](const Mesh& mesh) {
+    auto plain_model = zero_test_model();
+    auto model = zero_test_model();
+    DataParallel plain_dp(plain_model.ptr(), DataParallelOptions().group(mesh.dp_group));
+    DataParallel dp(model.ptr(), DataParallelOptions().group(mesh.dp_group));
+    const auto options = DistributedOptimizerOptions().group(mesh.dp_group).bucket_cap_mb(1e-4);
+    DistributedOptimizer plain(
+        plain_model->parameters(), torch::optim::AdamWOptions(1e-2), options);
+    DistributedOptimizer zero(model->parameters(),
+                              torch::optim::AdamWOptions(1e-2),
+                              DistributedOptimizerOptions(options).overlap_param_gather(true));
+    for (int step = 0; step < 3; ++step) {
+      const auto x = testing::rank_randn({4, kZeroWidth}, 80 + step, mesh.dp_rank());
+      zero_test_step(plain_model, plain_dp, plain, x);
+      zero_test_step(model, dp, zero, x);  // its forward waits for the last step's all-gather
+    }
+    zero.wait_for_parameters();
+    EXPECT_EQ(zero.shards().pending_gathers(), 0u);
+    const auto expected = plain_model->parameters();
+    const auto actual = model->parameters();
+    for (size_t i = 0; i < actual.size(); ++i) {
+      EXPECT_TRUE(at::equal(actual[i], expected[i])) << "param " << i;
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds,
                          DistributedOptimizerWorld,
                          ::testing::Values(1, 2, 4),

@@ -101,6 +101,8 @@ def _all_dense_tensors(model, rename) -> list[tuple[str, torch.Tensor, bool]]:
     out = []
     for module, module_rename in _modules_and_renames(model, rename):
         out += _dense_tensors(module, module_rename)
+    # (an overlapped all-gather of a DistributedOptimizer's step would write into them later)
+    _C.optim.wait_for_gathers([t for _, t, _ in out])
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_mp import _C
 from torch_mp.layout import layout_of
 
 Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
@@ -93,6 +94,7 @@ def dense_state_dict(module: nn.Module, rename: Rename = None) -> dict[str, torc
         Detached tensors (gathered ones are fresh; others are the module's own).
     """
     to_dense_name = _renamer(rename)
+    _C.optim.wait_for_gathers(list(module.parameters()))  # (an overlapped step's all-gather)
     out: dict[str, torch.Tensor] = {}
     for part in _parts(module):
         for name, tensor in part.tensors().items():

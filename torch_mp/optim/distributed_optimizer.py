@@ -21,6 +21,10 @@ import torch.distributed as dist
 from torch_mp import _C
 from torch_mp.mesh import Mesh, find_mesh, get_mesh
 
+#: How many DistributedOptimizers with ``overlap_param_gather`` were made: DataParallel's forward
+#: hooks skip the wait while there is none.
+overlapping = 0
+
 
 class DistributedOptimizer(torch.optim.Optimizer):
     """An optimizer whose state is sharded over the data-parallel group (ZeRO-1).
@@ -56,6 +60,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             converted to it, the stepped values written back rounded. None: step the
             parameters' own elements.
         bucket_cap_mb: Size of a flat bucket of the all-gather, in MiB.
+        overlap_param_gather: Return from :meth:`step` with the parameters' all-gather still
+            running (Megatron's ``--overlap-param-gather``), bucket by bucket overlapped with
+            what follows: a ``torch_mp.DataParallel``'s forward waits for each bucket just
+            before the first module that uses it (and its ``state_dict`` for all), as do this
+            optimizer's own methods and ``torch_mp.checkpoint``. Until then the parameters hold
+            the other ranks' ranges of the last step: anything else that reads them between the
+            step and the next forward calls :meth:`wait_for_parameters` first.
         **defaults: The optimizer's arguments (``lr=``, ``weight_decay=``, ...).
 
     Raises:
@@ -72,6 +83,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         group: dist.ProcessGroup | None = None,
         master_dtype: torch.dtype | None = None,
         bucket_cap_mb: float = 25.0,
+        overlap_param_gather: bool = False,
         **defaults: Any,
     ) -> None:
         if mesh is not None and group is not None:
@@ -96,7 +108,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             master_dtype,
             "" if expert_group is None else expert_group.group_name,
             names if all(names) else [],
+            overlap_param_gather,
         )
+        if overlap_param_gather:
+            global overlapping
+            overlapping += 1
         group_of = [i for i, g in enumerate(groups) for _ in g["params"]]
         local_groups = [
             {k: v for k, v in g.items() if k != "param_names"} | {"params": []} for g in groups
@@ -127,6 +143,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._shards.release_gradients()
         self._shards.gather_parameters()
         return loss
+
+    def wait_for_parameters(self) -> None:
+        """Waits for the all-gather an ``overlap_param_gather`` step left running, so that the
+        parameters hold the step's values."""
+        self._shards.wait_for_parameters()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only at construction: the parameters are cut into shards once, together."""

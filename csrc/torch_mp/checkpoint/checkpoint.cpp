@@ -11,6 +11,7 @@
 #include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/optimizer_state.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/optim/parameter_shards.h"
 #include "torch_mp/tensor_parallel/blocks.h"
 
 namespace torch_mp::checkpoint {
@@ -79,6 +80,12 @@ std::vector<DenseTensor> all_dense_tensors(const std::vector<Stage>& stages) {
     auto mine = dense_tensors(*stage.module, stage.rename);
     out.insert(out.end(), mine.begin(), mine.end());
   }
+  // (an overlapped all-gather of a DistributedOptimizer's step would write into them later)
+  std::vector<at::Tensor> tensors;
+  for (const auto& t : out) {
+    tensors.push_back(t.tensor);
+  }
+  optim::wait_for_gathers(tensors);
   return out;
 }
 

@@ -1,6 +1,7 @@
 #include "torch_mp/data_parallel/data_parallel.h"
 
 #include "torch_mp/mesh.h"
+#include "torch_mp/optim/parameter_shards.h"
 
 namespace torch_mp::data_parallel {
 
@@ -51,6 +52,7 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
 }
 
 void DataParallelImpl::prepare_for_forward() {
+  optim::wait_for_gathers(module->parameters());  // (LibTorch has no forward pre-hooks)
   sync_ ? sync_->prepare_for_forward() : sharded_->prepare_for_forward();
 }
 

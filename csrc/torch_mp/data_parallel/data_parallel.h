@@ -88,7 +88,8 @@ class DataParallelImpl : public torch::nn::Module {
     return output;
   }
 
-  /// Before a forward: rebuilds the buckets once, and broadcasts buffers when due.
+  /// Before a forward: waits for a DistributedOptimizer's overlapped all-gather of these
+  /// parameters, rebuilds the buckets once, and broadcasts buffers when due.
   void prepare_for_forward();
   /// Arms the reduction for the next backward (forward does this unless under no_sync).
   /// Raises, naming them, if the last synced backward gave some parameters no gradient.

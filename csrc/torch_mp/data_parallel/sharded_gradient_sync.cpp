@@ -83,6 +83,7 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
     }
   }
   reduced_.resize(layout_.buckets.size());
+  shard_.resize(layout_.buckets.size());
   ready_count_.assign(layout_.buckets.size(), 0);
 }
 
@@ -180,46 +181,85 @@ void ShardedGradientSync::on_gradient(size_t i) {
 void ShardedGradientSync::launch(size_t b) {
   const ShardBucket& bucket = layout_.buckets[b];
   const int64_t size = group_->getSize();
+  const int64_t chunk = bucket.chunk;
+  const auto options = at::TensorOptions().dtype(bucket.dtype).device(bucket.device);
   at::Tensor input;
+  int staging = -1;
   if (grad_dtype_) {
     input = main_[b];
   } else {
-    input = at::zeros({bucket.chunk * size},
-                      at::TensorOptions().dtype(bucket.dtype).device(bucket.device));
+    staging = static_cast<int>(next_staging_++ % staging_.size());
+    input = staging_buffer(staging, chunk * size, options);
+    int64_t used = 0;
     for (size_t j = 0; j < bucket.parameters.size(); ++j) {
       at::Tensor& grad = parameters_[bucket.parameters[j]].mutable_grad();
       input.narrow(0, bucket.starts[j], grad.numel()).copy_(flat_view(grad));
+      used = bucket.starts[j] + grad.numel();
       grad.reset();
     }
+    input.narrow(0, used, chunk * size - used).zero_();  // the padding
   }
   input.div_(size);  // averaged, as DDP divides before it sums
-  // The main gradients receive their own range of the sum in place (no buffer of its own).
-  at::Tensor output = grad_dtype_ ? input.narrow(0, group_->getRank() * bucket.chunk, bucket.chunk)
-                                  : at::empty({bucket.chunk}, input.options());
+  // This rank's range of the sum: with grad_dtype, in place in the main gradients (no buffer of
+  // its own); else into a shard buffer kept from step to step.
+  at::Tensor output;
+  if (grad_dtype_) {
+    output = input.narrow(0, group_->getRank() * chunk, chunk);
+  } else {
+    if (!shard_[b].defined()) {
+      shard_[b] = at::empty({chunk}, options);
+    }
+    output = shard_[b];
+  }
   std::vector<at::Tensor> outputs{output};
   std::vector<std::vector<at::Tensor>> inputs(1);
   for (int64_t r = 0; r < size; ++r) {
-    inputs[0].push_back(input.narrow(0, r * bucket.chunk, bucket.chunk));
+    inputs[0].push_back(input.narrow(0, r * chunk, chunk));
   }
-  pending_.push_back({b, input, output, group_->reduce_scatter(outputs, inputs)});
+  pending_.push_back({b, staging, output, group_->reduce_scatter(outputs, inputs)});
   if (++launched_ == layout_.buckets.size()) {
     finish();
   }
 }
 
+at::Tensor ShardedGradientSync::staging_buffer(int slot,
+                                               int64_t numel,
+                                               const at::TensorOptions& options) {
+  for (auto& pending : pending_) {
+    if (pending.staging == slot) {
+      complete(pending);  // its bucket still reads the buffer
+    }
+  }
+  at::Tensor& buffer = staging_[slot];
+  if (!buffer.defined() || buffer.numel() < numel || buffer.dtype() != options.dtype() ||
+      buffer.device() != options.device()) {
+    buffer = at::empty({numel}, options);
+  }
+  return buffer.narrow(0, 0, numel);
+}
+
+void ShardedGradientSync::complete(Pending& pending) {
+  if (!pending.work) {
+    return;
+  }
+  comm::wait(pending.work, group_, "reduce_scatter");
+  pending.work.reset();
+  pending.staging = -1;
+  // (prepare_for_backward refused to arm while reduced gradients were held)
+  TORCH_INTERNAL_ASSERT(!reduced_[pending.bucket].defined());
+  reduced_[pending.bucket] = pending.output;
+  if (grad_dtype_) {  // sent: the other ranks' ranges start the next step afresh
+    const int64_t chunk = layout_.buckets[pending.bucket].chunk;
+    const int64_t rank = group_->getRank();
+    at::Tensor& main = main_[pending.bucket];
+    main.narrow(0, 0, rank * chunk).zero_();
+    main.narrow(0, (rank + 1) * chunk, main.numel() - (rank + 1) * chunk).zero_();
+  }
+}
+
 void ShardedGradientSync::finish() {
   for (auto& pending : pending_) {
-    comm::wait(pending.work, group_, "reduce_scatter");
-    // (prepare_for_backward refused to arm while reduced gradients were held)
-    TORCH_INTERNAL_ASSERT(!reduced_[pending.bucket].defined());
-    reduced_[pending.bucket] = pending.output;
-    if (grad_dtype_) {  // sent: the other ranks' ranges start the next step afresh
-      const int64_t chunk = layout_.buckets[pending.bucket].chunk;
-      const int64_t rank = group_->getRank();
-      at::Tensor& main = main_[pending.bucket];
-      main.narrow(0, 0, rank * chunk).zero_();
-      main.narrow(0, (rank + 1) * chunk, main.numel() - (rank + 1) * chunk).zero_();
-    }
+    complete(pending);
   }
   pending_.clear();
   main_dirty_ = false;

@@ -16,12 +16,14 @@ void DistributedOptimizer::build(const DistributedOptimizerOptions& options,
       group_of.push_back(g);
     }
   }
-  shards_ = std::make_unique<ParameterShards>(std::move(parameters),
-                                              std::move(group),
-                                              ParameterShardsOptions()
-                                                  .bucket_cap_mb(options.bucket_cap_mb())
-                                                  .master_dtype(options.master_dtype())
-                                                  .expert_group(mesh ? mesh->ep_group : nullptr));
+  shards_ =
+      std::make_unique<ParameterShards>(std::move(parameters),
+                                        std::move(group),
+                                        ParameterShardsOptions()
+                                            .bucket_cap_mb(options.bucket_cap_mb())
+                                            .master_dtype(options.master_dtype())
+                                            .overlap_param_gather(options.overlap_param_gather())
+                                            .expert_group(mesh ? mesh->ep_group : nullptr));
   std::vector<std::vector<at::Tensor>> local_params(param_groups().size());
   for (size_t s = 0; s < shards_->pieces().size(); ++s) {
     local_params[group_of[shards_->pieces()[s].parameter]].push_back(shards_->shards()[s]);

@@ -39,6 +39,9 @@ struct DistributedOptimizerOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   /// Step fp32 (or other) master copies of the parameters' shards, written back rounded.
   TORCH_ARG(std::optional<at::ScalarType>, master_dtype) = std::nullopt;
+  /// Return from step() with the parameters' all-gather still running, overlapped with what
+  /// comes next; torch_mp::DataParallel's forward waits for it (ParameterShardsOptions).
+  TORCH_ARG(bool, overlap_param_gather) = false;
 };
 
 /// The LibTorch optimizer of an options type (AdamWOptions -> AdamW, ...).
@@ -101,6 +104,10 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// torch::optim::Optimizer&, the base's zero_grad runs: reduced gradients are dropped after
   /// every step anyway, and the DataParallel's zero_grad drops the main gradients too.)
   void zero_grad(bool set_to_none = true);
+
+  /// Waits for the all-gather an overlapping step left running: before reading the
+  /// parameters outside a DataParallel's forward.
+  void wait_for_parameters() const { shards_->wait_for_parameters(); }
 
   /// The optimizer over this rank's shards, which holds its state.
   torch::optim::Optimizer& local_optimizer() { return *local_; }

@@ -3,6 +3,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
 #include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
 #include "torch_mp/data_parallel/gradient_hooks.h"
@@ -18,6 +23,13 @@ using data_parallel::ShardBucket;
 using data_parallel::ShardedGradientSync;
 
 namespace {
+
+// Which ParameterShards (and which of its buckets) holds each parameter, for wait_for_gathers.
+std::mutex holders_mutex;
+std::unordered_map<const c10::TensorImpl*, std::pair<const ParameterShards*, size_t>>& holders() {
+  static std::unordered_map<const c10::TensorImpl*, std::pair<const ParameterShards*, size_t>> map;
+  return map;
+}
 
 // The engine that reduce-scatters the gradients of `parameters`, if a DataParallel shards them;
 // raises unless it holds exactly these parameters, in this order (its layout is then ours).
@@ -87,7 +99,8 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
     : parameters_(std::move(parameters)),
       group_(std::move(group)),
       names_(options.names()),
-      master_dtype_(options.master_dtype()) {
+      master_dtype_(options.master_dtype()),
+      overlap_param_gather_(options.overlap_param_gather()) {
   TORCH_CHECK(group_, "DistributedOptimizer: no data-parallel group");
   // (A refusal every rank meets alike: the ranks of the group hold the same module.)
   TORCH_CHECK(names_.empty() || names_.size() == parameters_.size(),
@@ -127,6 +140,15 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
       }
       flat_.push_back(std::move(flat));
     }
+    gathering_.resize(layout_.buckets.size());
+  }
+  if (overlap_param_gather_ && group_->getSize() > 1) {
+    std::lock_guard<std::mutex> lock(holders_mutex);
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+      for (const size_t i : layout_.buckets[b].parameters) {
+        holders()[parameters_[i].unsafeGetTensorImpl()] = {this, b};
+      }
+    }
   }
   for (const auto& p : parameters_) {
     data_of_.push_back(p.data_ptr());
@@ -147,7 +169,25 @@ at::ScalarType ParameterShards::shard_dtype(const ShardBucket& bucket) const {
   return master_dtype_ ? *master_dtype_ : bucket.dtype;
 }
 
+ParameterShards::~ParameterShards() {
+  {
+    std::lock_guard<std::mutex> lock(holders_mutex);
+    for (const auto& p : parameters_) {
+      const auto found = holders().find(p.unsafeGetTensorImpl());
+      if (found != holders().end() && found->second.first == this) {
+        holders().erase(found);
+      }
+    }
+  }
+  try {
+    wait_for_parameters();  // (they write into the buckets)
+  } catch (const std::exception&) {
+    // A failed all-gather has already raised, or will, on the ranks that wait for it.
+  }
+}
+
 void ParameterShards::take_gradients() {
+  wait_for_parameters();
   const auto& pieces = layout_.pieces;
   for (size_t i = 0; i < parameters_.size(); ++i) {
     TORCH_CHECK(parameters_[i].data_ptr() == data_of_[i],
@@ -201,6 +241,7 @@ void ParameterShards::zero_gradients() {
 }
 
 void ParameterShards::gather_parameters() {
+  wait_for_parameters();
   at::NoGradGuard no_grad;
   const auto& pieces = layout_.pieces;
   if (masters_) {
@@ -215,9 +256,42 @@ void ParameterShards::gather_parameters() {
     return;  // the shards are the whole parameters
   }
   const int64_t rank = group_->getRank();
-  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {  // every bucket on the way, then wait
     const int64_t chunk = layout_.buckets[b].chunk;
-    comm::all_gather_into(flat_[b], flat_[b].narrow(0, rank * chunk, chunk), group_);
+    gathering_[b] =
+        comm::start_all_gather_into(flat_[b], flat_[b].narrow(0, rank * chunk, chunk), group_);
+  }
+  if (!overlap_param_gather_) {
+    wait_for_parameters();
+  }
+}
+
+void ParameterShards::wait_for_parameters() const {
+  for (auto& work : gathering_) {
+    if (work) {
+      auto pending = std::move(work);
+      work.reset();
+      comm::wait(pending, group_, "all_gather (of the parameters)");
+    }
+  }
+}
+
+void wait_for_gathers(const std::vector<at::Tensor>& parameters) {
+  std::vector<std::pair<const ParameterShards*, size_t>> due;
+  {
+    std::lock_guard<std::mutex> lock(holders_mutex);
+    if (holders().empty()) {
+      return;
+    }
+    for (const auto& p : parameters) {
+      const auto found = holders().find(p.unsafeGetTensorImpl());
+      if (found != holders().end()) {
+        due.push_back(found->second);
+      }
+    }
+  }
+  for (const auto& [shards, bucket] : due) {
+    shards->wait_for_bucket(bucket);
   }
 }
 
@@ -237,7 +311,21 @@ at::Tensor ParameterShards::gather_bucket(const ShardBucket& bucket,
   return all;
 }
 
+size_t ParameterShards::pending_gathers() const {
+  return static_cast<size_t>(
+      std::count_if(gathering_.begin(), gathering_.end(), [](const auto& w) { return bool(w); }));
+}
+
+void ParameterShards::wait_for_bucket(size_t bucket) const {
+  if (bucket < gathering_.size() && gathering_[bucket]) {
+    auto pending = std::move(gathering_[bucket]);
+    gathering_[bucket].reset();
+    comm::wait(pending, group_, "all_gather (of the parameters)");
+  }
+}
+
 std::vector<at::Tensor> ParameterShards::gather(const std::vector<at::Tensor>& per_shard) const {
+  wait_for_parameters();
   TORCH_CHECK(per_shard.size() == layout_.pieces.size(),
               "ParameterShards::gather: ",
               per_shard.size(),
@@ -256,6 +344,7 @@ std::vector<at::Tensor> ParameterShards::gather(const std::vector<at::Tensor>& p
 }
 
 std::vector<at::Tensor> ParameterShards::slice(const std::vector<at::Tensor>& per_parameter) const {
+  wait_for_parameters();
   TORCH_CHECK(per_parameter.size() == parameters_.size(),
               "ParameterShards::slice: ",
               per_parameter.size(),

@@ -24,6 +24,10 @@
 #include "torch_mp/data_parallel/shard_layout.h"
 #include "torch_mp/process_groups.h"
 
+namespace c10d {
+class Work;
+}  // namespace c10d
+
 namespace torch_mp::data_parallel {
 class ShardedGradientSync;
 }  // namespace torch_mp::data_parallel
@@ -44,6 +48,11 @@ struct ParameterShardsOptions {
   TORCH_ARG(GroupPtr, expert_group) = {};
   /// The parameters' names (aligned with them), for errors; empty: by index and shape.
   TORCH_ARG(std::vector<std::string>, names) = {};
+  /// Let gather_parameters() return with the all-gathers still running (Megatron's
+  /// --overlap-param-gather): each bucket is waited for before the first forward that uses
+  /// it (wait_for_gathers, which DataParallel calls), or by wait_for_parameters(), or by this
+  /// class's next use. Until then the parameters hold other ranks' ranges of the last step.
+  TORCH_ARG(bool, overlap_param_gather) = false;
 };
 
 using data_parallel::ShardPiece;
@@ -52,6 +61,9 @@ using data_parallel::ShardPiece;
 /// (see the top of this file).
 class ParameterShards {
  public:
+  ~ParameterShards();
+  ParameterShards(const ParameterShards&) = delete;
+  ParameterShards& operator=(const ParameterShards&) = delete;
   /// Raises on every rank if the ranks' parameters differ in number, shape or dtype, and if a
   /// parameter is not contiguous (its flat view would not be its elements). Over more than one
   /// rank, moves the parameters' data into the flat buckets (see the top of the file). Parameters
@@ -87,9 +99,16 @@ class ParameterShards {
   void release_gradients();
   /// release_gradients(), and a sharding DataParallel's main gradients zeroed: zero_grad.
   void zero_gradients();
-  /// Writes master shards back into their parameters (rounded), then all-gathers every bucket,
-  /// so every rank holds every rank's updated elements. Collective over the group.
+  /// Writes master shards back into their parameters (rounded), then all-gathers every bucket
+  /// (all posted, then waited for, unless overlap_param_gather), so every rank holds every
+  /// rank's updated elements. Collective over the group.
   void gather_parameters();
+  /// Waits for the all-gathers gather_parameters() left running (overlap_param_gather).
+  void wait_for_parameters() const;
+  /// Waits for bucket `bucket`'s all-gather, if it is still running.
+  void wait_for_bucket(size_t bucket) const;
+  /// How many buckets' all-gathers have not been waited for yet.
+  size_t pending_gathers() const;
 
   /// The whole-parameter tensors of per-shard ones (aligned with shards(); an undefined entry
   /// counts as zeros), each shaped as its parameter and in its shards' dtype: how the
@@ -114,10 +133,18 @@ class ParameterShards {
   std::optional<at::ScalarType> master_dtype_;
   bool masters_ = false;
   data_parallel::ShardLayout layout_;
-  std::vector<at::Tensor> flat_;      // each bucket's storage of its parameters (groups of > 1)
+  std::vector<at::Tensor> flat_;  // each bucket's storage of its parameters (groups of > 1)
+  bool overlap_param_gather_ = false;
+  // The all-gather still filling each bucket (overlap_param_gather), or null.
+  mutable std::vector<c10::intrusive_ptr<c10d::Work>> gathering_;
   std::vector<const void*> data_of_;  // where each parameter's data lives (checked at a step)
   std::vector<at::Tensor> shards_;
   std::shared_ptr<data_parallel::ShardedGradientSync> gradients_;
 };
+
+/// Waits for the all-gathers still filling the buckets that hold any of `parameters` (a
+/// DistributedOptimizer's with overlap_param_gather), so that they hold the last step's values:
+/// what a forward calls before it uses them. Nothing pending: returns at once.
+void wait_for_gathers(const std::vector<at::Tensor>& parameters);
 
 }  // namespace torch_mp::optim
