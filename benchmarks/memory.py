@@ -22,8 +22,9 @@ which sees every tensor the C++ core and c10d allocate on the calling thread), t
 - the peak during a step, and the median step time (the slowest rank's, between barriers).
 
 Then the step times again, with every setup built at once and stepped in turn, round after round
-(``--rounds``): the ratios to DDP and to ZeroRedundancyOptimizer from that table are measured
-side by side, on the same machine at the same moments.
+(``--rounds``; in its turn each setup takes two steps, the second timed): the ratios to DDP and
+to ZeroRedundancyOptimizer from that table are measured side by side, on the same machine at
+the same moments.
 
 Beside the measured total, the formula for it in units of Psi (the model's parameters), with
 Adam's 8 bytes of moments per fp32 parameter and N data ranks. Every rank of one machine shares
@@ -204,6 +205,8 @@ def measure(build, args, mesh, timing_group) -> dict:
         counter.peak = 0
         times = [barrier_time(step, timing_group) for _ in range(args.steps)]
         peak = counter.peak + between  # the step's peak above what lived before it
+        if isinstance(optimizer, torch_mp.DistributedOptimizer):
+            optimizer.wait_for_parameters()  # (none of it runs during the next setup's steps)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     if hasattr(next(model.parameters()), "to_local"):  # FSDP2: this rank's shards
         params = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
@@ -222,16 +225,23 @@ def measure(build, args, mesh, timing_group) -> dict:
 def alternating_times(builds: dict[str, Callable], args, mesh, timing_group) -> dict[str, float]:
     """The median step time of each setup, all built at once and stepped in turn, round after
     round (each round in another order), so that every setup sees the same machine: the ratios
-    between them are what the speed claims rest on."""
-    steps = {}
+    between them are what the speed claims rest on. In its turn a setup takes two steps and the
+    second is timed: with ``overlap_param_gather`` that step's forward waits for the first
+    step's all-gather, as in a training loop; then whatever it left running is waited for
+    (untimed), so that none of it runs during another setup's turn."""
+    steps, optimizers = {}, {}
     for name, build in builds.items():
-        steps[name] = stepper(build(), args, mesh)
+        built = build()
+        steps[name], optimizers[name] = stepper(built, args, mesh), built[2]
         steps[name]()  # the state exists from the first step on
     times: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            steps[name]()
             times[name].append(barrier_time(steps[name], timing_group))
+            if isinstance(optimizers[name], torch_mp.DistributedOptimizer):
+                optimizers[name].wait_for_parameters()
     return {name: statistics.median(t) for name, t in times.items()}
 
 

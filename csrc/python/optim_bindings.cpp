@@ -72,9 +72,11 @@ void bind_optim(py::module_& parent) {
                                return out;
                              })
       .def_property_readonly("num_buckets", &ParameterShards::num_buckets)
-      .def("take_gradients", &ParameterShards::take_gradients)
-      .def("release_gradients", &ParameterShards::release_gradients)
-      .def("zero_gradients", &ParameterShards::zero_gradients)
+      // (Every call that may wait for a collective releases the GIL: Gloo's threads take it
+      // to free the tensors of a finished work.)
+      .def("take_gradients", &ParameterShards::take_gradients, ReleaseGil())
+      .def("release_gradients", &ParameterShards::release_gradients, ReleaseGil())
+      .def("zero_gradients", &ParameterShards::zero_gradients, ReleaseGil())
       .def("wait_for_parameters", &ParameterShards::wait_for_parameters, ReleaseGil())
       .def_property_readonly("pending_gathers", &ParameterShards::pending_gathers)
       .def("gather_parameters", &ParameterShards::gather_parameters, ReleaseGil())
@@ -94,7 +96,8 @@ void bind_optim(py::module_& parent) {
             }
             return out;
           },
-          py::arg("per_parameter"));
+          py::arg("per_parameter"),
+          ReleaseGil());
 
   py::class_<GradScaler>(m, "GradScaler", "Dynamic loss scaling agreed over the mesh.")
       .def(py::init([](double init_scale,

@@ -114,3 +114,19 @@ def _checkpoint_after_an_overlapped_step(path: str) -> None:
 
 def test_a_checkpoint_after_an_overlapped_step_holds_its_values(world2, tmp_path):
     world2.run(_checkpoint_after_an_overlapped_step, str(tmp_path / "ckpt"))
+
+
+def _dropped_right_after_an_overlapped_step() -> None:
+    mesh = use_mesh(1)
+    model = _mlp()
+    wrapped = torch_mp.DataParallel(model, mesh=mesh)
+    optimizer = torch_mp.DistributedOptimizer(
+        model.parameters(), torch.optim.SGD, mesh=mesh, lr=LR, overlap_param_gather=True
+    )
+    _step(wrapped, optimizer, 0, mesh)
+    del optimizer, wrapped, model  # with its all-gathers still running: no wait, no hang
+    torch.distributed.barrier(group=mesh.dp_group)
+
+
+def test_an_optimizer_dropped_with_its_gathers_running_does_not_hang(world2):
+    world2.run(_dropped_right_after_an_overlapped_step)

@@ -179,11 +179,9 @@ ParameterShards::~ParameterShards() {
       }
     }
   }
-  try {
-    wait_for_parameters();  // (they write into the buckets)
-  } catch (const std::exception&) {
-    // A failed all-gather has already raised, or will, on the ranks that wait for it.
-  }
+  // All-gathers still running hold their buckets themselves: no wait here (a destructor may
+  // run where waiting would deadlock, as under Python's lock, which Gloo's threads take to
+  // free a finished work's tensors).
 }
 
 void ParameterShards::take_gradients() {
