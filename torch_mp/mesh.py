@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,39 @@ def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timede
     return datetime.timedelta(seconds=float(timeout))
 
 
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launched_by_torchrun() -> bool:
+    """Whether any of the variables torchrun sets is set (all of them are needed then: torch
+    names a missing one)."""
+    return any(name in os.environ for name in _TORCHRUN_VARIABLES)
+
+
+def _init_a_world_of_one(backend: str, timeout: datetime.timedelta | None, needed: int) -> None:
+    """``python train.py`` without torchrun: a world of one process if that is all the mesh
+    asks for (said on stderr), else an error that says how to launch it."""
+    if needed > 1:
+        raise RuntimeError(
+            f"torch_mp.init: this mesh needs at least {needed} processes, and none of "
+            f"{', '.join(_TORCHRUN_VARIABLES)} is set: launch the script with torchrun, e.g. "
+            f"`torchrun --nproc-per-node={needed} {_script()}`"
+        )
+    print(
+        "torch_mp.init: not launched by torchrun (no RANK or WORLD_SIZE): running as a world "
+        f"of one process; `torchrun --nproc-per-node=N {_script()}` runs N",
+        file=sys.stderr,
+    )
+    options = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(
+        backend=backend, store=dist.HashStore(), rank=0, world_size=1, **options
+    )
+
+
+def _script() -> str:
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+
+
 def _elastic_store(timeout: datetime.timedelta | None) -> dict:
     """Under torchrun's agent, the rendezvous of this launch attempt: the agent's store with a
     prefix of the attempt. (torch's own env:// rendezvous leaves the keys of an earlier attempt
@@ -147,7 +181,9 @@ def init(
 
     Initialises ``torch.distributed`` from the torchrun environment (``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) unless a default group already exists, which is
-    then used as it is. Every rank must call ``init`` with the same arguments.
+    then used as it is. Every rank must call ``init`` with the same arguments. Without torchrun
+    (``python train.py``), a mesh of one process runs as a world of one (said on stderr), and
+    a larger one raises, saying how to launch it.
 
     Args:
         tp: Tensor-parallel size.
@@ -166,7 +202,8 @@ def init(
 
     Raises:
         RuntimeError: If the world size is not ``tp * pp * dp * cp``, ``ep`` does not divide
-            ``dp * cp``, or ranks passed different arguments.
+            ``dp * cp``, or ranks passed different arguments; without torchrun, if the mesh
+            needs more than one process.
     """
     global _default_mesh
     timeout = _as_timedelta(timeout)
@@ -176,7 +213,10 @@ def init(
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if backend == "nccl" and local_rank < torch.cuda.device_count():
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend, timeout=timeout, **_elastic_store(timeout))
+        if not _launched_by_torchrun():
+            _init_a_world_of_one(backend, timeout, tp * pp * max(cp * (dp or 1), ep))
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout, **_elastic_store(timeout))
     world = dist.group.WORLD
     # Agree on the request before acting on it, so that ranks that asked for different meshes
     # all raise instead of waiting for groups the others never create.

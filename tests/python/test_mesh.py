@@ -3,6 +3,10 @@ tp + tp_rank ((pp_rank * dp + dp_rank) * tp + tp_rank without context parallelis
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -134,3 +138,40 @@ def test_init_arguments_that_differ_between_ranks_raise_on_every_rank(world2, tp
     for got in world2.run(_init_differs_between_ranks, tp_of_rank_0):
         assert got is not None
         assert "torch_mp.init arguments [tp, pp, dp] must be the same on every rank" in got
+
+
+# ---- without torchrun -------------------------------------------------------------------------
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+_WITHOUT_TORCHRUN = """
+import torch, torch_mp
+mesh = torch_mp.init({args})
+print("sizes", mesh.tp_size, mesh.pp_size, mesh.dp_size, torch.distributed.get_world_size())
+"""
+
+
+def _run_without_torchrun(args: str, tmp_path) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(_WITHOUT_TORCHRUN.format(args=args))
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
+    return subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_without_torchrun_a_mesh_of_one_runs_as_a_world_of_one(tmp_path):
+    result = _run_without_torchrun("", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "sizes 1 1 1 1" in result.stdout
+    assert "not launched by torchrun" in result.stderr and "torchrun --nproc-per-node=N" in (
+        result.stderr
+    )
+
+
+@pytest.mark.parametrize("args, needed", [("tp=2", 2), ("tp=2, pp=2", 4), ("dp=2, cp=2", 4)])
+def test_without_torchrun_a_larger_mesh_says_how_to_launch_it(args, needed, tmp_path):
+    result = _run_without_torchrun(args, tmp_path)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: torch_mp.init"), result.stderr
+    assert f"torchrun --nproc-per-node={needed} train.py" in last, last
