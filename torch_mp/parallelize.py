@@ -566,6 +566,57 @@ def _style(style: ParallelStyle | str) -> ParallelStyle:
     return STYLES[style]
 
 
+def _check_config_counts(model: nn.Module, chosen: dict, mesh: Mesh) -> None:
+    """A Hugging Face model's head and expert counts (from its ``config``) against the mesh,
+    for the modules the plan splits: the model reshapes by them, so a split that is not along
+    whole heads (or experts) would fail deep inside its forward. Raises naming the module, the
+    count and the sizes that would divide it."""
+    config = next(
+        (
+            m.config
+            for _, m in model.named_modules()
+            if hasattr(getattr(m, "config", None), "num_attention_heads")
+        ),
+        None,
+    )
+    if config is None:
+        return
+    split: dict[str, list[str]] = {}  # the mesh's group -> the modules split over it
+    for name, (_, style) in chosen.items():
+        if not isinstance(style, LocalAttributes):
+            split.setdefault(style.GROUP, []).append(name)
+    counts = []  # (module, config field, count) of what the tensor group splits
+    attention = [n for n in split.get("tp_group", []) if ".self_attn" in f"{n}."]
+    if attention:
+        module = attention[0].rsplit(".self_attn", 1)[0] + ".self_attn"
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        counts += [
+            (module, "num_attention_heads", heads),
+            (module, "num_key_value_heads", kv_heads),
+        ]
+    mlp = [n for n in split.get("tp_group", []) if ".mlp." in n]
+    if mlp and isinstance(getattr(config, "intermediate_size", None), int):
+        counts.append((mlp[0], "intermediate_size", config.intermediate_size))
+    for module, field, count in counts:
+        if count % mesh.tp_size:
+            fitting = [t for t in range(1, count + 1) if all(c % t == 0 for _, _, c in counts)]
+            raise ValueError(
+                f"parallelize: {module!r}: the model's config.{field} ({count}) is not divisible "
+                f"by the tensor-parallel size ({mesh.tp_size}); tensor-parallel sizes that "
+                f"divide every count the plan splits: {fitting}"
+            )
+    experts = split.get("ep_group", [])
+    count = getattr(config, "num_local_experts", None)
+    if experts and isinstance(count, int) and count % mesh.ep_size:
+        fitting = [e for e in range(1, count + 1) if count % e == 0]
+        raise ValueError(
+            f"parallelize: {experts[0]!r}: the model's config.num_local_experts ({count}) is not "
+            f"divisible by the expert-parallel size ({mesh.ep_size}); sizes that divide it: "
+            f"{fitting}"
+        )
+
+
 def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = None) -> nn.Module:
     """Makes ``model`` tensor-parallel over ``mesh``'s tensor group (the default mesh's) by
     ``plan`` (module name or pattern -> style; :func:`default_plan` when None), in place; the
@@ -578,7 +629,9 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = 
 
     Raises:
         ValueError: If a plan entry matches no module, a module is matched twice or lies
-            inside another that is replaced, or a style does not fit its module (naming it).
+            inside another that is replaced, a style does not fit its module (naming it), or a
+            Hugging Face model's config has head, key/value head, MLP width or expert counts
+            the mesh does not divide (naming the module, the count and the sizes that would).
     """
     mesh = mesh or get_mesh()
     plan = default_plan(model) if plan is None else plan
@@ -622,6 +675,7 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = 
             style.check(model.get_submodule(name), getattr(mesh, style.GROUP))
         except (TypeError, ValueError) as e:
             raise type(e)(f"parallelize: {name!r} (plan entry {pattern!r}): {e}") from e
+    _check_config_counts(model, chosen, mesh)
     for name, (pattern, style) in chosen.items():
         module = model.get_submodule(name)
         try:

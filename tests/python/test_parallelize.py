@@ -169,3 +169,38 @@ def test_local_attributes_and_plans_that_do_not_fit_are_named(world2):
     assert "'proj' (plan entry 'proj'): VocabParallel applies to nn.Embedding" in errors[2]
     assert "unknown style 'sideways'" in errors[3]
     assert "'qkv' shares a parameter with 'proj' (tied weights)" in errors[4]
+
+
+def _llama_whose_heads_tp_does_not_divide(heads: int, kv_heads: int) -> str | None:
+    transformers = pytest.importorskip("transformers")
+    use_mesh(2)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=96,  # (3 and 2 divide it: the heads are what does not fit)
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    try:
+        torch_mp.parallelize(model, plan=LLAMA_PLAN)
+    except ValueError as e:
+        assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing changed
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, field, fitting",
+    [(3, 3, "num_attention_heads (3)", "[1, 3]"), (4, 1, "num_key_value_heads (1)", "[1]")],
+    ids=["heads", "grouped-query kv heads"],
+)
+def test_a_llama_whose_heads_tp_does_not_divide_is_refused_before_any_change(
+    heads, kv_heads, field, fitting, world2
+):
+    for message in world2.run(_llama_whose_heads_tp_does_not_divide, heads, kv_heads):
+        assert message is not None, "accepted: the forward would fail inside transformers"
+        assert "'model.layers.0.self_attn'" in message and field in message, message
+        assert "tensor-parallel size (2)" in message and fitting in message, message
