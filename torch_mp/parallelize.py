@@ -567,10 +567,10 @@ def _style(style: ParallelStyle | str) -> ParallelStyle:
 
 
 def _check_config_counts(model: nn.Module, chosen: dict, mesh: Mesh) -> None:
-    """A Hugging Face model's head and expert counts (from its ``config``) against the mesh,
-    for the modules the plan splits: the model reshapes by them, so a split that is not along
-    whole heads (or experts) would fail deep inside its forward. Raises naming the module, the
-    count and the sizes that would divide it."""
+    """A Hugging Face model's head counts and MLP width (from its ``config``) against the
+    tensor group, for the modules the plan splits: the model reshapes by them, so a split that
+    is not along whole heads would fail deep inside its forward. Raises naming the module, the
+    count and the sizes that would divide it. (ExpertParallel's check counts the experts.)"""
     config = next(
         (
             m.config
@@ -581,12 +581,13 @@ def _check_config_counts(model: nn.Module, chosen: dict, mesh: Mesh) -> None:
     )
     if config is None:
         return
-    split: dict[str, list[str]] = {}  # the mesh's group -> the modules split over it
-    for name, (_, style) in chosen.items():
-        if not isinstance(style, LocalAttributes):
-            split.setdefault(style.GROUP, []).append(name)
-    counts = []  # (module, config field, count) of what the tensor group splits
-    attention = [n for n in split.get("tp_group", []) if ".self_attn" in f"{n}."]
+    split = [  # the modules split over the tensor group
+        n
+        for n, (_, s) in chosen.items()
+        if s.GROUP == "tp_group" and not isinstance(s, LocalAttributes)
+    ]
+    counts = []  # (module, config field, count)
+    attention = [n for n in split if ".self_attn" in f"{n}."]
     if attention:
         module = attention[0].rsplit(".self_attn", 1)[0] + ".self_attn"
         heads = config.num_attention_heads
@@ -595,7 +596,7 @@ def _check_config_counts(model: nn.Module, chosen: dict, mesh: Mesh) -> None:
             (module, "num_attention_heads", heads),
             (module, "num_key_value_heads", kv_heads),
         ]
-    mlp = [n for n in split.get("tp_group", []) if ".mlp." in n]
+    mlp = [n for n in split if ".mlp." in n]
     if mlp and isinstance(getattr(config, "intermediate_size", None), int):
         counts.append((mlp[0], "intermediate_size", config.intermediate_size))
     for module, field, count in counts:
@@ -606,15 +607,6 @@ def _check_config_counts(model: nn.Module, chosen: dict, mesh: Mesh) -> None:
                 f"by the tensor-parallel size ({mesh.tp_size}); tensor-parallel sizes that "
                 f"divide every count the plan splits: {fitting}"
             )
-    experts = split.get("ep_group", [])
-    count = getattr(config, "num_local_experts", None)
-    if experts and isinstance(count, int) and count % mesh.ep_size:
-        fitting = [e for e in range(1, count + 1) if count % e == 0]
-        raise ValueError(
-            f"parallelize: {experts[0]!r}: the model's config.num_local_experts ({count}) is not "
-            f"divisible by the expert-parallel size ({mesh.ep_size}); sizes that divide it: "
-            f"{fitting}"
-        )
 
 
 def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = None) -> nn.Module:
@@ -630,8 +622,8 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = 
     Raises:
         ValueError: If a plan entry matches no module, a module is matched twice or lies
             inside another that is replaced, a style does not fit its module (naming it), or a
-            Hugging Face model's config has head, key/value head, MLP width or expert counts
-            the mesh does not divide (naming the module, the count and the sizes that would).
+            Hugging Face model's config has head, key/value head or MLP width counts the
+            tensor group does not divide (naming the module, the count and the sizes that would).
     """
     mesh = mesh or get_mesh()
     plan = default_plan(model) if plan is None else plan

@@ -45,8 +45,6 @@ class ArmedBackward {
   /// Marks parameter i as having its gradient; true if that is news in an armed backward.
   /// When the last one arrives the backward is complete, and the next needs arm() again.
   bool mark(size_t i);
-  /// Whether an armed backward is waiting for gradients.
-  bool armed() const { return armed_; }
   /// Raises, naming those without, if the armed backward gave some parameters a gradient but
   /// not all (`owner` begins the message). Nothing armed, or armed with no gradient yet, passes.
   void check_complete(const std::string& owner) const;
