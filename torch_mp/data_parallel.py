@@ -8,7 +8,7 @@ applications get the same as ``torch_mp::DataParallel``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,23 @@ class DataParallel(nn.Module):
             (``torch.float32`` for bf16 or fp16 parameters: micro-batches and the reduction
             accumulate in fp32, not in 16 bits), and reduce-scatter them as
             ``shard_gradients`` does (which it implies).
+        shard_parameters: Shard the parameters too (ZeRO-3; implies ``shard_gradients``):
+            between uses each rank holds only its range of them, and each ``unit``'s
+            parameters are all-gathered just before its forward (the next unit's gather
+            prefetched while this one computes), freed after it, gathered again just before
+            its backward and freed once their gradients are reduce-scattered. A parameter's
+            ``.data`` is an empty tensor while its unit is not gathered: read whole
+            parameters inside :meth:`gathered_parameters`, through ``state_dict`` /
+            ``load_state_dict`` of the wrapped module (which gather them), or through
+            ``torch_mp.checkpoint``. Step with a ``torch_mp.DistributedOptimizer`` over
+            ``module.parameters()``, which steps this rank's range. Parameters that do not
+            require grad stay whole on every rank.
+        unit: Under ``shard_parameters``, which submodules are gathered as one: a module
+            class, a tuple of classes, or a predicate ``unit(module) -> bool``; the default
+            is each child of ``module``. ``module`` itself is always a unit, holding the
+            parameters outside every other unit (an embedding, a final norm); a parameter
+            shared by several units (tied embeddings) belongs to the innermost unit that
+            holds them all.
 
     Expert parallelism (:mod:`torch_mp.moe`): the parameters whose layout is sharded over the
     mesh's ``ep_group`` (a mixture of experts' experts, which differ between its ranks) start
@@ -91,6 +108,8 @@ class DataParallel(nn.Module):
         comm_hook: str | None = None,
         shard_gradients: bool = False,
         grad_dtype: torch.dtype | None = None,
+        shard_parameters: bool = False,
+        unit: type | tuple[type, ...] | Callable[[nn.Module], bool] | None = None,
     ) -> None:
         super().__init__()
         if mesh is not None and group is not None:
@@ -105,20 +124,27 @@ class DataParallel(nn.Module):
         self.module = module
         self.group = group
         self.require_backward_grad_sync = True
-        self.shard_gradients = shard_gradients or grad_dtype is not None
+        self.shard_gradients = shard_gradients or grad_dtype is not None or shard_parameters
+        self.shard_parameters = shard_parameters
+        if unit is not None and not shard_parameters:
+            raise ValueError("DataParallel: unit= is for shard_parameters=True")
         names = [name for name, _ in module.named_parameters()]
         _check_plain_optimizers()
         _wait_for_parameter_gathers(module)
         if self.shard_gradients:
             if comm_hook is not None:  # (its engine has no c10d buckets to view)
-                raise ValueError("DataParallel: shard_gradients (or grad_dtype) takes no comm_hook")
+                raise ValueError(
+                    "DataParallel: shard_gradients (grad_dtype, shard_parameters) takes no "
+                    "comm_hook"
+                )
             for p in module.parameters():
                 if _C.data_parallel.is_expert_parameter(p, expert_names[0]):
                     raise ValueError(
-                        "DataParallel: shard_gradients (or grad_dtype) does not take a mixture "
-                        f"of experts' expert parameters yet (a parameter of shape "
+                        "DataParallel: shard_gradients (grad_dtype, shard_parameters) does not "
+                        "take a mixture of experts' expert parameters yet (a parameter of shape "
                         f"{tuple(p.shape)} is sharded over the expert group)"
                     )
+            units = _units(module, unit) if shard_parameters else []
             self._sync = _C.data_parallel.ShardedGradientSync(
                 list(module.parameters()),
                 list(module.buffers()),
@@ -127,7 +153,11 @@ class DataParallel(nn.Module):
                 grad_dtype,
                 broadcast_buffers,
                 names,
+                shard_parameters,
+                [index for _, index in units],
             )
+            if shard_parameters:
+                _hook_units(module, self._sync, units)
             return
         # The engine (and the buffer bookkeeping) is the C++ core's GradientSync, which also
         # copies rank 0's parameters and buffers to every rank here.
@@ -164,6 +194,25 @@ class DataParallel(nn.Module):
         if self.shard_gradients:
             self._sync.zero_grad()
 
+    @contextlib.contextmanager
+    def gathered_parameters(self, write_back: bool = False) -> Iterator[None]:
+        """Under ``shard_parameters``: every parameter whole on every rank inside (all
+        gathered: transiently the whole model), e.g. to read or write them; with
+        ``write_back``, what was written into them is kept (each rank keeps its range) when the
+        block ends. Collective over the data-parallel group. Without ``shard_parameters`` the
+        parameters are always whole, and this does nothing."""
+        if not self.shard_parameters:
+            yield
+            return
+        self._sync.gather_parameters()
+        try:
+            yield
+        finally:
+            if write_back:
+                self._sync.write_back_parameters()
+            else:
+                self._sync.free_parameters()
+
     def prepare_for_forward(self) -> None:
         """Before a forward (``forward`` calls it): rebuilds the buckets once, in the order the
         first synced backward produced gradients, and broadcasts the buffers when due."""
@@ -184,6 +233,139 @@ class DataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+
+@contextlib.contextmanager
+def whole_parameters(
+    modules: nn.Module | Iterable[nn.Module], write_back: bool = False
+) -> Iterator[bool]:
+    """Inside, the parameters of ``modules`` that a ``DataParallel(shard_parameters=True)``
+    shards are whole (as :meth:`DataParallel.gathered_parameters`, for every such DataParallel
+    they belong to): what checkpoints read and write through. Collective over those
+    DataParallels' groups. Nothing sharded: does nothing. Yields whether something was
+    gathered (tensors read inside are then freed after it: copy what is kept)."""
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    engines = []
+    for m in modules:
+        for p in m.parameters():
+            engine = _C.data_parallel.ShardedGradientSync.of(p)
+            if (
+                engine is not None
+                and engine.shards_parameters
+                and not any(engine is e for e in engines)
+            ):
+                engines.append(engine)
+    for engine in engines:
+        engine.gather_parameters()
+    try:
+        yield bool(engines)
+    finally:
+        for engine in engines:
+            if write_back:
+                engine.write_back_parameters()
+            else:
+                engine.free_parameters()
+
+
+def _units(module: nn.Module, unit) -> list[tuple[nn.Module, int]]:
+    """For each parameter of ``module`` (in ``module.parameters()`` order), the unit it is
+    gathered with and that unit's index: the innermost unit whose modules hold every use of it
+    (unit 0 is ``module`` itself)."""
+    if unit is None:
+        children, todo = set(), list(module.children())
+        while todo:  # (a ModuleList or ModuleDict is never called: its members are the units)
+            child = todo.pop()
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                todo.extend(child.children())
+            else:
+                children.add(id(child))
+
+        def is_unit(m: nn.Module) -> bool:
+            return id(m) in children
+
+    elif isinstance(unit, type) or (
+        isinstance(unit, tuple) and all(isinstance(u, type) for u in unit)
+    ):
+
+        def is_unit(m: nn.Module) -> bool:
+            return isinstance(m, unit)
+
+    elif callable(unit):
+        is_unit = unit
+    else:
+        raise TypeError(
+            f"DataParallel: unit= takes a module class, a tuple of classes or a predicate "
+            f"unit(module) -> bool, got {unit!r}"
+        )
+    index = {id(module): 0}
+    modules = [module]
+    chains: dict[int, list[int]] = {}  # id(p) -> the unit chain common to its uses so far
+    chain_of = {"": [0]}
+    for path, m in module.named_modules(remove_duplicate=False):
+        if path:
+            chain = list(chain_of[path.rpartition(".")[0]])
+            if is_unit(m) and isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+                raise ValueError(
+                    f"DataParallel: unit= matches {path}, a {type(m).__name__}, which is never "
+                    "called (its members are): its parameters would never be gathered; name "
+                    "the members' class instead"
+                )
+            if is_unit(m):
+                if id(m) not in index:
+                    index[id(m)] = len(modules)
+                    modules.append(m)
+                chain.append(index[id(m)])
+            chain_of[path] = chain
+        chain = chain_of[path]
+        for p in m.parameters(recurse=False):
+            known = chains.get(id(p))
+            if known is None:
+                chains[id(p)] = chain
+            else:  # shared: the common part of both chains
+                k = 0
+                while k < min(len(known), len(chain)) and known[k] == chain[k]:
+                    k += 1
+                chains[id(p)] = known[:k]
+    return [(modules[chains[id(p)][-1]], chains[id(p)][-1]) for p in module.parameters()]
+
+
+def _hook_units(module: nn.Module, sync, units: list[tuple[nn.Module, int]]) -> None:
+    """Hooks each unit's forward (and the backward of its outputs) to the engine's gathers and
+    frees, and the wrapped module's state_dict and load_state_dict to whole parameters."""
+    by_index = {index: m for m, index in units} | {0: module}
+
+    def before_backward(index: int):
+        def hook(grad):
+            sync.before_backward(index)
+
+        return hook
+
+    for index, m in by_index.items():
+
+        def pre(_m, _args, index=index) -> None:
+            sync.before_forward(index)
+
+        def post(_m, _args, output, index=index) -> None:
+            sync.after_forward(index)
+            if torch.is_grad_enabled():
+                for t in torch.utils._pytree.tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(before_backward(index))
+
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+    module.register_state_dict_pre_hook(lambda *_: sync.gather_parameters())
+
+    def copy_and_free(_m, state_dict, prefix, _metadata) -> None:
+        for key, value in state_dict.items():  # (a tied parameter's every name too)
+            if key.startswith(prefix) and isinstance(value, torch.Tensor):
+                state_dict[key] = value.clone()
+        sync.free_parameters()
+
+    module.register_state_dict_post_hook(copy_and_free)
+    module.register_load_state_dict_pre_hook(lambda *_: sync.gather_parameters())
+    module.register_load_state_dict_post_hook(lambda *_: sync.write_back_parameters())
 
 
 def _wait_for_parameter_gathers(module: nn.Module) -> None:

@@ -82,7 +82,9 @@ void bind_data_parallel(py::module_& parent) {
                        double bucket_cap_mb,
                        std::optional<at::ScalarType> grad_dtype,
                        bool broadcast_buffers,
-                       std::vector<std::string> names) {
+                       std::vector<std::string> names,
+                       bool shard_parameters,
+                       std::vector<size_t> units) {
              return ShardedGradientSync::create(std::move(parameters),
                                                 std::move(buffers),
                                                 resolve(group),
@@ -90,7 +92,9 @@ void bind_data_parallel(py::module_& parent) {
                                                     .bucket_cap_mb(bucket_cap_mb)
                                                     .grad_dtype(grad_dtype)
                                                     .broadcast_buffers(broadcast_buffers)
-                                                    .names(std::move(names)));
+                                                    .names(std::move(names))
+                                                    .shard_parameters(shard_parameters)
+                                                    .units(std::move(units)));
            }),
            py::arg("parameters"),
            py::arg("buffers"),
@@ -99,14 +103,25 @@ void bind_data_parallel(py::module_& parent) {
            py::arg("grad_dtype"),
            py::arg("broadcast_buffers"),
            py::arg("names") = std::vector<std::string>{},
+           py::arg("shard_parameters") = false,
+           py::arg("units") = std::vector<size_t>{},
            ReleaseGil())
       .def("prepare_for_forward", &ShardedGradientSync::prepare_for_forward, ReleaseGil())
       .def("prepare_for_backward", &ShardedGradientSync::prepare_for_backward, ReleaseGil())
       .def("zero_grad", &ShardedGradientSync::zero_grad, ReleaseGil())
+      .def("before_forward", &ShardedGradientSync::before_forward, py::arg("unit"), ReleaseGil())
+      .def("after_forward", &ShardedGradientSync::after_forward, py::arg("unit"), ReleaseGil())
+      .def("before_backward", &ShardedGradientSync::before_backward, py::arg("unit"), ReleaseGil())
+      .def("gather_parameters", &ShardedGradientSync::gather_parameters, ReleaseGil())
+      .def("free_parameters", &ShardedGradientSync::free_parameters, ReleaseGil())
+      .def("write_back_parameters", &ShardedGradientSync::write_back_parameters, ReleaseGil())
+      .def("parameter_shape", &ShardedGradientSync::parameter_shape, py::arg("parameter"))
+      .def_property_readonly("shards_parameters", &ShardedGradientSync::shards_parameters)
       .def_static(
           "manages",
           [](const at::Tensor& p) { return ShardedGradientSync::of(p) != nullptr; },
-          py::arg("parameter"));
+          py::arg("parameter"))
+      .def_static("of", &ShardedGradientSync::of, py::arg("parameter"));
 
   // ---- parameter layouts ----
   py::class_<ParameterLayout>(parent, "ParameterLayout", "How a parameter lies on the mesh.")

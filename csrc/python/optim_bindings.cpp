@@ -72,6 +72,7 @@ void bind_optim(py::module_& parent) {
                                return out;
                              })
       .def_property_readonly("num_buckets", &ParameterShards::num_buckets)
+      .def("shape", &ParameterShards::shape, py::arg("parameter"))
       // (Every call that may wait for a collective releases the GIL: Gloo's threads take it
       // to free the tensors of a finished work.)
       .def("take_gradients", &ParameterShards::take_gradients, ReleaseGil())

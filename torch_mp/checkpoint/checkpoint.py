@@ -44,6 +44,7 @@ from torch_mp.checkpoint.dense import (
     _renamer,
 )
 from torch_mp.checkpoint.safetensors import load_file
+from torch_mp.data_parallel import whole_parameters
 from torch_mp.mesh import Mesh, get_mesh
 from torch_mp.optim import DistributedOptimizer
 
@@ -97,6 +98,10 @@ def _dense_tensors(module: nn.Module, rename: Rename) -> list[tuple[str, torch.T
     return out
 
 
+def _modules(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
 def _all_dense_tensors(model, rename) -> list[tuple[str, torch.Tensor, bool]]:
     out = []
     for module, module_rename in _modules_and_renames(model, rename):
@@ -135,8 +140,9 @@ def save(
     ``extra.pt``) is written with its CRC-32C, which :func:`load` and :func:`verify` check.
     An :func:`async_save` still running is waited for first.
     """
-    request = _save_request(path, model, optimizer, extra, rename, mesh)
-    _C.checkpoint.save(*request, _world_name())
+    with whole_parameters(_modules(model)):  # (ZeRO-3: sharded parameters gathered)
+        request = _save_request(path, model, optimizer, extra, rename, mesh)
+        _C.checkpoint.save(*request, _world_name())
 
 
 def async_save(
@@ -162,8 +168,9 @@ def async_save(
         every rank alike, what the save raised; ``handle.done()`` says whether it has finished.
     """
     group = _background_group()  # collective the first time: before any rank can fail alone
-    request = _save_request(path, model, optimizer, extra, rename, mesh)
-    return _C.checkpoint.async_save(*request, group.group_name)
+    with whole_parameters(_modules(model)):  # (copied before async_save returns)
+        request = _save_request(path, model, optimizer, extra, rename, mesh)
+        return _C.checkpoint.async_save(*request, group.group_name)
 
 
 # The default group the background group was made over, and that group: made again when the
@@ -312,15 +319,16 @@ def load(
     shards: list = []
     states: list[tuple[nn.Parameter, str, torch.Tensor]] = []
     problems: list[str] = []
-    with _collected(problems):
-        extra = reader.root_file(EXTRA)  # checked against its checksum, before anything changes
-        named = _all_dense_tensors(model, rename)
-        shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
-        if optimizer is not None:
-            _check_hyperparameters(optimizer, metadata)
-            states = _optimizer_shards(optimizer, named, reader.tensors, mesh, shards)
-    _raise_anywhere(problems, f"torch_mp.checkpoint: cannot load {reader.path}", None)
-    reader.load(shards, _world_name())
+    with whole_parameters(_modules(model), write_back=True):  # (ZeRO-3: each keeps its range)
+        with _collected(problems):
+            extra = reader.root_file(EXTRA)  # checked by its checksum, before anything changes
+            named = _all_dense_tensors(model, rename)
+            shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
+            if optimizer is not None:
+                _check_hyperparameters(optimizer, metadata)
+                states = _optimizer_shards(optimizer, named, reader.tensors, mesh, shards)
+        _raise_anywhere(problems, f"torch_mp.checkpoint: cannot load {reader.path}", None)
+        reader.load(shards, _world_name())
     if optimizer is not None:
         groups = json.loads(metadata.get("param_groups", "[]"))
         for group, saved_group in zip(optimizer.param_groups, groups, strict=False):  # [] from C++
@@ -539,8 +547,9 @@ def load_dense(
     _warn_if_unchecked(reader)
     shards: list = []
     problems: list[str] = []
-    with _collected(problems):
-        named = _all_dense_tensors(model, rename)
-        shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
-    _raise_anywhere(problems, f"torch_mp.checkpoint: cannot load {reader.path}", None)
-    reader.load(shards, _world_name())
+    with whole_parameters(_modules(model), write_back=True):  # (ZeRO-3: each keeps its range)
+        with _collected(problems):
+            named = _all_dense_tensors(model, rename)
+            shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
+        _raise_anywhere(problems, f"torch_mp.checkpoint: cannot load {reader.path}", None)
+        reader.load(shards, _world_name())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_mp import _C
+from torch_mp.data_parallel import whole_parameters
 from torch_mp.layout import layout_of
 
 Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
@@ -96,11 +97,12 @@ def dense_state_dict(module: nn.Module, rename: Rename = None) -> dict[str, torc
     to_dense_name = _renamer(rename)
     _C.optim.wait_for_gathers(list(module.parameters()))  # (an overlapped step's all-gather)
     out: dict[str, torch.Tensor] = {}
-    for part in _parts(module):
-        for name, tensor in part.tensors().items():
-            dense = to_dense_name(part.prefix + name)
-            if dense is not None:
-                out[dense] = tensor.detach()
+    with whole_parameters(module) as gathered:  # (ZeRO-3: copies, the gathered are freed)
+        for part in _parts(module):
+            for name, tensor in part.tensors().items():
+                dense = to_dense_name(part.prefix + name)
+                if dense is not None:
+                    out[dense] = tensor.detach().clone() if gathered else tensor.detach()
     return out
 
 
@@ -118,6 +120,11 @@ def load_dense_state_dict(
     holds every tensor its modules need, with the right shapes, and if any rank finds one
     missing or misshapen, every rank raises, naming them, before anything is changed.
     """
+    with whole_parameters(module, write_back=True):  # (ZeRO-3: each rank keeps its range)
+        _load_dense_state_dict(module, state_dict, rename, group)
+
+
+def _load_dense_state_dict(module, state_dict, rename, group) -> None:
     to_dense_name = _renamer(rename)
     parts = _parts(module)
     problems = []

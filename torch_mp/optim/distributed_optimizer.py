@@ -174,8 +174,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameters = self._parameters()
         mine: dict[int, dict[str, Any]] = {}  # index -> key -> _SHAPED, or the value itself
         for shard, (index, _, _) in zip(self._shards.shards, self._shards.pieces, strict=True):
-            for key, value in self.local_optimizer.state.get(shard, {}).items():
-                shaped = _per_element(key, value, shard)
+            for key, value in self._shard_state(shard, parameters[index]).items():
+                shaped = _per_element(key, value, shard.shape)
                 mine.setdefault(index, {})[key] = _SHAPED if shaped else _to_cpu(value)
         every: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(every, mine, group=self.group)
@@ -187,8 +187,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         shaped = sorted({k for s in described.values() for k, v in s.items() if _is_shaped(v)})
         whole = {}  # key -> the whole tensor of every parameter
         for key in shaped:
-            state = self.local_optimizer.state
-            per_shard = [state.get(shard, {}).get(key) for shard in self._shards.shards]
+            per_shard = [
+                self._shard_state(shard, parameters[index]).get(key)
+                for shard, (index, _, _) in zip(
+                    self._shards.shards, self._shards.pieces, strict=True
+                )
+            ]
             whole[key] = self._shards.gather(per_shard)
         out: dict[torch.Tensor, dict[str, Any]] = {}
         for index in sorted(described):
@@ -220,16 +224,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         per_parameter = [state.get(p, {}) for p in parameters]
         keys = sorted({k for s in per_parameter for k in s})
         sliced = {}
+        shapes = [torch.Size(self._shards.shape(i)) for i in range(len(parameters))]
         for key in keys:
             values = [
-                s[key] if _per_element(key, s.get(key), p) else None
-                for s, p in zip(per_parameter, parameters, strict=True)
+                s[key] if _per_element(key, s.get(key), shape) else None
+                for s, shape in zip(per_parameter, shapes, strict=True)
             ]
             sliced[key] = self._shards.slice(values)
         pieces = self._shards.pieces
         for s, (shard, (index, _, _)) in enumerate(zip(self._shards.shards, pieces, strict=True)):
             for key, value in per_parameter[index].items():
                 piece = sliced[key][s]
+                if key == MASTER:
+                    if piece is not None and shard.dtype != parameters[index].dtype:
+                        shard.copy_(piece)
+                    continue
                 if piece is not None:
                     dtype = shard.dtype if piece.is_floating_point() else piece.dtype
                     value = piece.to(device=shard.device, dtype=dtype)
@@ -274,9 +283,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             {by_id[i]: dict(s) for i, s in state_dict["state"].items() if i in by_id}
         )
 
+    def _shard_state(self, shard: torch.Tensor, parameter: torch.Tensor) -> dict[str, Any]:
+        """The local optimizer's state of ``shard``, with the shard itself as ``MASTER`` where
+        it is a master copy (in another dtype than its parameter)."""
+        state = self.local_optimizer.state.get(shard, {})
+        if shard.dtype != parameter.dtype:
+            state = dict(state, **{MASTER: shard})
+        return state
+
     def _parameters(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+
+#: The state key of a parameter's master copy (``master_dtype``), saved and loaded with the
+#: rest of the state, so that a resume continues from the masters, not the rounded parameters.
+MASTER = "master"
 
 # Stands, in the exchange between ranks, for a state tensor shaped as its shard.
 _SHAPED = "<state tensor shaped as its shard>"
@@ -286,13 +307,13 @@ def _is_shaped(value: Any) -> bool:
     return isinstance(value, str) and value == _SHAPED
 
 
-def _per_element(key: str, value: Any, like: torch.Tensor) -> bool:
-    """Whether state ``value`` holds an entry per element of ``like`` (a moment, a momentum
-    buffer), not one for the whole tensor (a step count). For a 0-dim ``like`` (a learned
-    scalar) both are 0-dim: as torch.optim does, the step is then told by its key."""
-    if not isinstance(value, torch.Tensor) or value.numel() != like.numel():
+def _per_element(key: str, value: Any, shape: torch.Size) -> bool:
+    """Whether state ``value`` holds an entry per element of a tensor of ``shape`` (a moment,
+    a momentum buffer), not one for the whole tensor (a step count). For a 0-dim one (a
+    learned scalar) both are 0-dim: as torch.optim does, the step is then told by its key."""
+    if not isinstance(value, torch.Tensor) or value.numel() != shape.numel():
         return False
-    return value.dim() > 0 or (like.dim() == 0 and key != "step")
+    return value.dim() > 0 or (len(shape) == 0 and key != "step")
 
 
 def _to_cpu(value: Any) -> Any:

@@ -11,7 +11,8 @@ ShardLayout ShardLayout::of(const std::vector<at::Tensor>& parameters,
                             int64_t size,
                             int64_t rank,
                             double bucket_cap_mb,
-                            const std::string& owner) {
+                            const std::string& owner,
+                            const std::vector<size_t>& units) {
   TORCH_CHECK(bucket_cap_mb > 0, owner, ": bucket_cap_mb must be positive, got ", bucket_cap_mb);
   for (size_t i = 0; i < parameters.size(); ++i) {
     TORCH_CHECK(parameters[i].defined() && parameters[i].is_contiguous(),
@@ -47,6 +48,7 @@ ShardLayout ShardLayout::of(const std::vector<at::Tensor>& parameters,
     const at::Tensor& p = parameters[i];
     const bool fits = !layout.buckets.empty() && layout.buckets.back().dtype == p.scalar_type() &&
                       layout.buckets.back().device == p.device() &&
+                      (units.empty() || units[i] == units[i - 1]) &&
                       (filled + p.numel()) * static_cast<int64_t>(p.element_size()) <= cap_bytes;
     if (!fits) {
       if (!layout.buckets.empty()) {

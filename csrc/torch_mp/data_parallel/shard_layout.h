@@ -11,8 +11,8 @@
 //   dp = 2:    |<----- rank 0 ----->|<----- rank 1 ----->|
 //   pieces of rank 0: w0 (whole), w1[0:k];  of rank 1: w1[k:], b1
 //
-// A bucket ends at `bucket_cap_mb`, or where the dtype or device changes; a parameter never
-// straddles two buckets.
+// A bucket ends at `bucket_cap_mb`, or where the dtype, the device or the unit (ZeRO-3:
+// sharded_parameters.h) changes; a parameter never straddles two buckets.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -48,12 +48,14 @@ struct ShardLayout {
   std::vector<ShardPiece> pieces;
 
   /// The layout of `parameters` (contiguous; raises naming one that is not, and `owner`, the
-  /// class that asks) for rank `rank` of `size`, in buckets of `bucket_cap_mb`.
+  /// class that asks) for rank `rank` of `size`, in buckets of `bucket_cap_mb`; where `units`
+  /// is given (each parameter's unit), a bucket holds one unit's parameters only.
   static ShardLayout of(const std::vector<at::Tensor>& parameters,
                         int64_t size,
                         int64_t rank,
                         double bucket_cap_mb,
-                        const std::string& owner);
+                        const std::string& owner,
+                        const std::vector<size_t>& units = {});
 };
 
 /// The flat elements of a tensor, as a view where it is contiguous (detached).

@@ -11,6 +11,7 @@
 #include "torch_mp/comm.h"
 #include "torch_mp/data_parallel/gradient_hooks.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_parameters.h"
 
 namespace torch_mp::data_parallel {
 namespace {
@@ -31,7 +32,11 @@ std::shared_ptr<ShardedGradientSync> ShardedGradientSync::create(
     ShardedGradientSyncOptions options) {
   std::shared_ptr<ShardedGradientSync> sync(new ShardedGradientSync(
       std::move(parameters), std::move(buffers), std::move(group), std::move(options)));
-  sync->register_hooks();
+  sync->register_hooks();  // (their gradient accumulators take the parameters' whole shapes)
+  if (options.shard_parameters()) {
+    sync->sharded_ = std::make_unique<ShardedParameters>(
+        sync->parameters_, sync->layout_, sync->units_, sync->group_);
+  }
   return sync;
 }
 
@@ -48,9 +53,19 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
   broadcast_from_first_rank(parameters, group_);
   broadcast_from_first_rank(buffers_, group_);
   auto names = names_requiring_grad(parameters, options.names(), "DataParallel");
-  for (auto& p : parameters) {
-    if (p.requires_grad()) {
-      parameters_.push_back(p);
+  const auto& units = options.units();
+  TORCH_CHECK(!options.shard_parameters() || units.size() == parameters.size(),
+              "DataParallel(shard_parameters=True): ",
+              units.size(),
+              " units for ",
+              parameters.size(),
+              " parameters");
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (parameters[i].requires_grad()) {
+      parameters_.push_back(parameters[i]);
+      if (options.shard_parameters()) {
+        units_.push_back(units[i]);
+      }
     }
   }
   armed_ = std::make_unique<ArmedBackward>(parameters_, std::move(names));
@@ -58,7 +73,7 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
       parameters_, group_, "DataParallel: the parameters that require grad");
   TORCH_CHECK(!parameters_.empty(), "DataParallel: the module has no parameter that requires grad");
   layout_ = ShardLayout::of(
-      parameters_, group_->getSize(), group_->getRank(), bucket_cap_mb_, "DataParallel");
+      parameters_, group_->getSize(), group_->getRank(), bucket_cap_mb_, "DataParallel", units_);
   bucket_of_.resize(parameters_.size());
   start_of_.resize(parameters_.size());
   for (size_t b = 0; b < layout_.buckets.size(); ++b) {
@@ -156,6 +171,9 @@ void ShardedGradientSync::prepare_for_backward() {
 
 void ShardedGradientSync::on_gradient(size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (sharded_) {  // (the unit may be freed: its gradient is in .grad)
+    sharded_->on_gradient(i);
+  }
   at::Tensor& grad = parameters_[i].mutable_grad();
   if (!grad.defined()) {
     return;
@@ -298,6 +316,62 @@ void ShardedGradientSync::zero_grad() {
 void ShardedGradientSync::check_complete() const {
   std::lock_guard<std::mutex> lock(mutex_);
   armed_->check_complete("DataParallel(shard_gradients=True)");
+}
+
+// ---- ZeRO-3 ----
+
+namespace {
+void check_sharding(const std::unique_ptr<ShardedParameters>& sharded) {
+  TORCH_CHECK(sharded, "DataParallel: the parameters are not sharded (shard_parameters=False)");
+}
+}  // namespace
+
+void ShardedGradientSync::before_forward(size_t unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_sharding(sharded_);
+  sharded_->before_forward(unit);
+}
+
+void ShardedGradientSync::after_forward(size_t unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_sharding(sharded_);
+  sharded_->after_forward(unit);
+}
+
+void ShardedGradientSync::before_backward(size_t unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_sharding(sharded_);
+  sharded_->before_backward(unit);
+}
+
+void ShardedGradientSync::gather_parameters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_sharding(sharded_);
+  sharded_->gather_all();
+}
+
+void ShardedGradientSync::free_parameters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_sharding(sharded_);
+  sharded_->free_all();
+}
+
+void ShardedGradientSync::write_back_parameters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_sharding(sharded_);
+  sharded_->write_back_and_free();
+}
+
+std::vector<int64_t> ShardedGradientSync::parameter_shape(size_t i) const {
+  TORCH_CHECK(i < parameters_.size(), "ShardedGradientSync: no parameter ", i);
+  return sharded_ ? sharded_->shape(i) : parameters_[i].sizes().vec();
+}
+
+at::Tensor ShardedGradientSync::parameter_piece(size_t piece) const {
+  check_sharding(sharded_);
+  TORCH_CHECK(piece < piece_bucket_.size(), "ShardedGradientSync: no piece ", piece);
+  return sharded_->shard(piece_bucket_[piece])
+      .narrow(0, piece_start_[piece], layout_.pieces[piece].numel);
 }
 
 }  // namespace torch_mp::data_parallel

@@ -53,10 +53,15 @@ struct ShardedGradientSyncOptions {
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// The parameters' names (aligned with them), for errors; empty: by index and shape.
   TORCH_ARG(std::vector<std::string>, names) = {};
+  /// Shard the parameters too (ZeRO-3, sharded_parameters.h), in these units: each
+  /// parameter's (aligned with them), unit 0 being the whole module's.
+  TORCH_ARG(bool, shard_parameters) = false;
+  TORCH_ARG(std::vector<size_t>, units) = {};
 };
 
 class ArmedBackward;
 class GradientHooks;
+class ShardedParameters;
 
 /// Reduce-scatters the gradients of `parameters` over a data-parallel group (see the top of the
 /// file). Made by create(): its gradient hooks hold it weakly.
@@ -95,6 +100,27 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   void zero_grad();
   /// Raises, naming them, if an armed reduction is missing parameters' gradients.
   void check_complete() const;
+
+  // ---- ZeRO-3 (shard_parameters): see sharded_parameters.h ----
+  bool shards_parameters() const { return sharded_ != nullptr; }
+  /// Unit u's parameters, whole, before its forward (and the next unit's on their way).
+  void before_forward(size_t unit);
+  /// Unit u's parameters freed after its forward.
+  void after_forward(size_t unit);
+  /// Unit u's parameters, whole, before its backward.
+  void before_backward(size_t unit);
+  /// Every unit's parameters whole (for checkpoints), until free_parameters or write_back.
+  void gather_parameters();
+  /// Every unit's parameters freed: after a step has written their shards, the next use
+  /// gathers the new values.
+  void free_parameters();
+  /// This rank's range of every gathered parameter copied back into its shard (whole
+  /// parameters were written: a checkpoint loaded), then every unit freed.
+  void write_back_parameters();
+  /// Parameter i's shape (its data is empty between uses under shard_parameters).
+  std::vector<int64_t> parameter_shape(size_t parameter) const;
+  /// This rank's elements of piece `piece` (1-D, a view of the shard the step updates).
+  at::Tensor parameter_piece(size_t piece) const;
 
   const ShardLayout& layout() const { return layout_; }
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
@@ -142,8 +168,10 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   std::vector<size_t> piece_bucket_;  // each piece's bucket
   std::vector<int64_t> piece_start_;  // and its first element in this rank's range of it
   std::unique_ptr<GradientHooks> hooks_;
-  std::vector<at::Tensor> main_;  // (grad_dtype) each bucket's main gradients, padded
-  bool main_dirty_ = false;       // something was added to them since they were zeroed
+  std::vector<size_t> units_;                   // (shard_parameters) each parameter's unit
+  std::unique_ptr<ShardedParameters> sharded_;  // (shard_parameters)
+  std::vector<at::Tensor> main_;                // (grad_dtype) each bucket's main gradients, padded
+  bool main_dirty_ = false;  // something was added to them since they were zeroed
   // Each bucket's reduced range (with grad_dtype a view of main_, else shard_); undefined
   // while none is held.
   std::vector<at::Tensor> reduced_;

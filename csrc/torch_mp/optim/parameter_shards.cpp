@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include <algorithm>
 #include <mutex>
@@ -121,10 +122,17 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DistributedOptimizer: the parameters of the data-parallel ranks");
   gradients_ = sharding_engine(parameters_, names_, group_);
-  const double cap = gradients_ ? gradients_->bucket_cap_mb() : options.bucket_cap_mb();
-  layout_ = data_parallel::ShardLayout::of(
-      parameters_, group_->getSize(), group_->getRank(), cap, "DistributedOptimizer");
-  if (group_->getSize() > 1) {
+  sharded_ = gradients_ && gradients_->shards_parameters();
+  if (gradients_) {  // (its buckets are ours)
+    layout_ = gradients_->layout();
+  } else {
+    layout_ = data_parallel::ShardLayout::of(parameters_,
+                                             group_->getSize(),
+                                             group_->getRank(),
+                                             options.bucket_cap_mb(),
+                                             "DistributedOptimizer");
+  }
+  if (group_->getSize() > 1 && !sharded_) {
     // From now on each bucket is one flat tensor and its parameters are views of their ranges
     // (their identity stays), so that the all-gather after a step writes into the parameters
     // themselves: no copy into a send buffer, none out of the received one.
@@ -142,7 +150,7 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
     }
     gathering_.resize(layout_.buckets.size());
   }
-  if (overlap_param_gather_ && group_->getSize() > 1) {
+  if (overlap_param_gather_ && group_->getSize() > 1 && !sharded_) {
     std::lock_guard<std::mutex> lock(holders_mutex);
     for (size_t b = 0; b < layout_.buckets.size(); ++b) {
       for (const size_t i : layout_.buckets[b].parameters) {
@@ -150,12 +158,15 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
       }
     }
   }
-  for (const auto& p : parameters_) {
-    data_of_.push_back(p.data_ptr());
+  if (!sharded_) {  // (ZeRO-3 parameters' data changes at every gather)
+    for (const auto& p : parameters_) {
+      data_of_.push_back(p.data_ptr());
+    }
   }
-  for (const ShardPiece& piece : layout_.pieces) {
+  for (size_t s = 0; s < layout_.pieces.size(); ++s) {
+    const ShardPiece& piece = layout_.pieces[s];
     const at::Tensor& p = parameters_[piece.parameter];
-    at::Tensor view = flat_view(p).narrow(0, piece.offset, piece.numel);
+    at::Tensor view = piece_of_parameter(s);
     if (master_dtype_ && *master_dtype_ != p.scalar_type()) {
       masters_ = true;
       shards_.push_back(view.to(*master_dtype_, /*non_blocking=*/false, /*copy=*/true));
@@ -163,6 +174,10 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
       shards_.push_back(view);
     }
   }
+}
+
+std::vector<int64_t> ParameterShards::shape(size_t i) const {
+  return sharded_ ? gradients_->parameter_shape(i) : parameters_.at(i).sizes().vec();
 }
 
 at::ScalarType ParameterShards::shard_dtype(const ShardBucket& bucket) const {
@@ -187,7 +202,7 @@ ParameterShards::~ParameterShards() {
 void ParameterShards::take_gradients() {
   wait_for_parameters();
   const auto& pieces = layout_.pieces;
-  for (size_t i = 0; i < parameters_.size(); ++i) {
+  for (size_t i = 0; i < data_of_.size(); ++i) {
     TORCH_CHECK(parameters_[i].data_ptr() == data_of_[i],
                 "DistributedOptimizer: the data of ",
                 parameter_name(names_, parameters_, i),
@@ -204,6 +219,7 @@ void ParameterShards::take_gradients() {
     }
     check_gradients_averaged(parameters_, names_, group_);
   }
+  follow_parameters();
   for (size_t s = 0; s < pieces.size(); ++s) {
     at::Tensor& target = shards_[s].mutable_grad();
     at::Tensor grad;
@@ -219,6 +235,24 @@ void ParameterShards::take_gradients() {
       target =
           grad.scalar_type() == shards_[s].scalar_type() ? grad : grad.to(shards_[s].scalar_type());
     }
+  }
+}
+
+at::Tensor ParameterShards::piece_of_parameter(size_t s) const {
+  const ShardPiece& piece = layout_.pieces[s];
+  return sharded_ ? gradients_->parameter_piece(s)
+                  : flat_view(parameters_[piece.parameter]).narrow(0, piece.offset, piece.numel);
+}
+
+void ParameterShards::follow_parameters() {
+  if (!masters_) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const at::Tensor piece = piece_of_parameter(s);
+    const at::Tensor written = shards_[s].to(piece.scalar_type()).ne(piece);
+    shards_[s].copy_(at::where(written, piece.to(shards_[s].scalar_type()), shards_[s]));
   }
 }
 
@@ -244,11 +278,12 @@ void ParameterShards::gather_parameters() {
   const auto& pieces = layout_.pieces;
   if (masters_) {
     for (size_t s = 0; s < pieces.size(); ++s) {
-      const ShardPiece& piece = pieces[s];
-      flat_view(parameters_[piece.parameter])
-          .narrow(0, piece.offset, piece.numel)
-          .copy_(shards_[s]);
+      piece_of_parameter(s).copy_(shards_[s]);
     }
+  }
+  if (sharded_) {  // (ZeRO-3) each unit's next use gathers the new values
+    gradients_->free_parameters();
+    return;
   }
   if (group_->getSize() == 1) {
     return;  // the shards are the whole parameters
@@ -334,8 +369,9 @@ std::vector<at::Tensor> ParameterShards::gather(const std::vector<at::Tensor>& p
   for (const ShardBucket& bucket : layout_.buckets) {
     const at::Tensor all = gather_bucket(bucket, per_shard, shard_dtype(bucket));
     for (size_t j = 0; j < bucket.parameters.size(); ++j) {
-      const at::Tensor& p = parameters_[bucket.parameters[j]];
-      whole[bucket.parameters[j]] = all.narrow(0, bucket.starts[j], p.numel()).view(p.sizes());
+      const auto shape = this->shape(bucket.parameters[j]);
+      whole[bucket.parameters[j]] =
+          all.narrow(0, bucket.starts[j], c10::multiply_integers(shape)).view(shape);
     }
   }
   return whole;
@@ -357,13 +393,13 @@ std::vector<at::Tensor> ParameterShards::slice(const std::vector<at::Tensor>& pe
       pieces.emplace_back();
       continue;
     }
-    TORCH_CHECK(value.numel() == parameters_[piece.parameter].numel(),
+    TORCH_CHECK(value.numel() == c10::multiply_integers(shape(piece.parameter)),
                 "DistributedOptimizer: a state tensor of parameter ",
                 piece.parameter,
                 " has ",
                 value.numel(),
                 " elements, the parameter ",
-                parameters_[piece.parameter].numel());
+                c10::multiply_integers(shape(piece.parameter)));
     pieces.push_back(flat_view(value).narrow(0, piece.offset, piece.numel).clone());
   }
   return pieces;

@@ -78,6 +78,9 @@ class ParameterShards {
   /// Which elements of which parameter each shard covers.
   const std::vector<ShardPiece>& pieces() const { return layout_.pieces; }
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
+  /// Parameter i's shape (under a DataParallel(shard_parameters=True) its data is empty
+  /// between uses: ZeRO-3).
+  std::vector<int64_t> shape(size_t parameter) const;
   const GroupPtr& group() const { return group_; }
   /// How many flat buckets the parameters fill.
   size_t num_buckets() const { return layout_.buckets.size(); }
@@ -94,14 +97,21 @@ class ParameterShards {
   /// holds it), and for one that the last synced backward gave no gradient: stepping either
   /// would step this rank's own gradient, and the replicas would drift apart. Raises too if a
   /// parameter's data was replaced since construction (module.to(...)): the step would miss it.
+  /// First, master shards follow their parameters where those were written from outside
+  /// since the last step (follow_parameters).
   void take_gradients();
+  /// Each master element whose parameter no longer holds it rounded (the parameter was
+  /// written from outside: a checkpoint or state dict loaded into the model, an edit) takes
+  /// the parameter's value: a step never writes stale masters over loaded parameters.
+  void follow_parameters();
   /// Drops the shards' `.grad` (and a sharding DataParallel's reduced gradients, once stepped).
   void release_gradients();
   /// release_gradients(), and a sharding DataParallel's main gradients zeroed: zero_grad.
   void zero_gradients();
   /// Writes master shards back into their parameters (rounded), then all-gathers every bucket
   /// (all posted, then waited for, unless overlap_param_gather), so every rank holds every
-  /// rank's updated elements. Collective over the group.
+  /// rank's updated elements. Collective over the group. Under ZeRO-3 (the parameters sharded
+  /// by their DataParallel) nothing is gathered: each unit's next use gathers it.
   void gather_parameters();
   /// Waits for the all-gathers gather_parameters() left running (overlap_param_gather).
   void wait_for_parameters() const;
@@ -126,12 +136,15 @@ class ParameterShards {
                            const std::vector<at::Tensor>& per_shard,
                            at::ScalarType dtype) const;
   at::ScalarType shard_dtype(const data_parallel::ShardBucket& bucket) const;
+  // This rank's elements of piece s of the parameters (a 1-D view).
+  at::Tensor piece_of_parameter(size_t s) const;
 
   std::vector<at::Tensor> parameters_;
   GroupPtr group_;
   std::vector<std::string> names_;
   std::optional<at::ScalarType> master_dtype_;
   bool masters_ = false;
+  bool sharded_ = false;  // a DataParallel(shard_parameters=True) holds the parameters
   data_parallel::ShardLayout layout_;
   std::vector<at::Tensor> flat_;  // each bucket's storage of its parameters (groups of > 1)
   bool overlap_param_gather_ = false;
