@@ -80,17 +80,24 @@ def _state_elements(optimizer) -> int:
     )
 
 
-def _steps_match_adamw(tp: int, bucket_cap_mb: float, shard_gradients: bool = False) -> None:
+def _data_parallel(module: nn.Module, mesh, zero: int, **kwargs) -> torch_mp.DataParallel:
+    """``module`` wrapped for ZeRO stage ``zero``: 1 plain DataParallel (DDP's buckets, for the
+    all-reduce to sum in the plain run's order), 2 sharded gradients, 3 sharded parameters."""
+    if zero == 1:
+        return torch_mp.DataParallel(module, mesh=mesh)
+    return torch_mp.DataParallel(
+        module, mesh=mesh, shard_gradients=True, shard_parameters=zero == 3, **kwargs
+    )
+
+
+def _steps_match_adamw(tp: int, bucket_cap_mb: float, zero: int = 1) -> None:
     mesh = use_mesh(tp)
     dense = _dense()
     reference = copy.deepcopy(dense)
     plain, sharded = _sharded(dense), _sharded(dense)
     wrapped = [
         torch_mp.DataParallel(plain, mesh=mesh),
-        # (ZeRO-1: DDP's buckets as the plain run's, for the all-reduce to sum in its order)
-        torch_mp.DataParallel(sharded, mesh=mesh, bucket_cap_mb=bucket_cap_mb, shard_gradients=True)
-        if shard_gradients
-        else torch_mp.DataParallel(sharded, mesh=mesh),
+        _data_parallel(sharded, mesh, zero, bucket_cap_mb=bucket_cap_mb),
     ]
     optimizers = [
         _adamw(reference.parameters()),
@@ -101,7 +108,7 @@ def _steps_match_adamw(tp: int, bucket_cap_mb: float, shard_gradients: bool = Fa
     # With sharded gradients, the clipping norm sums the pieces' squares rather than whole
     # tensors' norms (its factor may differ in the last bit), and a reduce-scatter of more than
     # two ranks sums in another order than an all-reduce: equal to the tolerance only.
-    exact = not shard_gradients
+    exact = zero == 1
     for step in range(3):
         _dense_step(reference, optimizers[0], step, mesh.dp_size)
         for model, optimizer in zip(wrapped, optimizers[1:], strict=True):
@@ -109,15 +116,19 @@ def _steps_match_adamw(tp: int, bucket_cap_mb: float, shard_gradients: bool = Fa
         for scheduler in schedulers:
             scheduler.step()
         expected = _sharded(reference).parameters()
-        for (name, p), q, ref in zip(
-            sharded.named_parameters(), plain.parameters(), expected, strict=True
-        ):
-            if exact:
-                assert torch.equal(p, q), f"step {step} {name}: not plain AdamW's on this layout"
-            assert_close(p, q, f"step {step} {name} against plain AdamW on this layout")
-            assert_close(p, ref, f"step {step} {name} against one process")
-        if shard_gradients:
+        with wrapped[1].gathered_parameters():
+            for (name, p), q, ref in zip(
+                sharded.named_parameters(), plain.parameters(), expected, strict=True
+            ):
+                if exact:
+                    assert torch.equal(p, q), f"step {step} {name}: not plain AdamW's here"
+                assert_close(p, q, f"step {step} {name} against plain AdamW on this layout")
+                assert_close(p, ref, f"step {step} {name} against one process")
+        if zero > 1:
             assert all(p.grad is None for p in sharded.parameters()), "gradients kept whole"
+        if zero == 3:
+            held = sum(p.numel() for p in sharded.parameters())
+            assert held == 0, f"step {step}: {held} parameter elements held whole"
     assert optimizers[2].param_groups[0]["lr"] == optimizers[1].param_groups[0]["lr"]
     # This rank's state: its 1/dp of the elements, plus at most the padding of every bucket.
     mine, whole = _state_elements(optimizers[2]), _state_elements(optimizers[1])
@@ -128,27 +139,31 @@ def _steps_match_adamw(tp: int, bucket_cap_mb: float, shard_gradients: bool = Fa
     assert mine <= whole / mesh.dp_size + 2 * mesh.dp_size * buckets, (mine, whole)
 
 
-@pytest.mark.parametrize("shard_gradients", [False, True], ids=["zero1", "zero2"])
+_ZERO = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+@pytest.mark.parametrize("zero", list(_ZERO))
 @pytest.mark.parametrize("bucket_cap_mb", [25.0, 4e-4])  # one bucket; a bucket per ~100 elements
-def test_steps_equal_adamw_at_every_data_parallel_size(bucket_cap_mb, shard_gradients, world):
-    world.run(_steps_match_adamw, 1, bucket_cap_mb, shard_gradients)
+def test_steps_equal_adamw_at_every_data_parallel_size(bucket_cap_mb, zero, world):
+    world.run(_steps_match_adamw, 1, bucket_cap_mb, _ZERO[zero])
 
 
-@pytest.mark.parametrize("shard_gradients", [False, True], ids=["zero1", "zero2"])
-def test_steps_equal_adamw_with_tensor_parallelism(shard_gradients, world4):
-    world4.run(_steps_match_adamw, 2, 4e-4, shard_gradients)  # tp 2 x dp 2
+@pytest.mark.parametrize("zero", list(_ZERO))
+def test_steps_equal_adamw_with_tensor_parallelism(zero, world4):
+    world4.run(_steps_match_adamw, 2, 4e-4, _ZERO[zero])  # tp 2 x dp 2
 
 
-def _pipeline_of_sharded_stages(schedule: str) -> None:
-    """pp 2 x dp 2: each stage in DataParallel(shard_gradients=True) with a DistributedOptimizer;
-    AdamW steps equal the one-process model's."""
+def _pipeline_of_sharded_stages(schedule: str, zero: int) -> None:
+    """pp 2 x dp 2: each stage in DataParallel(shard_gradients=True), or with its parameters
+    sharded too (ZeRO-3), with a DistributedOptimizer; AdamW steps equal the one-process
+    model's."""
     mesh = use_mesh(1, pp=2)
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.Tanh()), nn.Linear(HIDDEN, WIDTH)]
     reference = copy.deepcopy(nn.Sequential(*stages))
     reference_optimizer = _adamw(reference.parameters())
     mine = stages[mesh.pp_rank]
-    wrapped = torch_mp.DataParallel(mine, mesh=mesh, shard_gradients=True, bucket_cap_mb=4e-4)
+    wrapped = _data_parallel(mine, mesh, zero, bucket_cap_mb=4e-4)
     optimizer = _zero(mine, mesh)
     m = 2
     pipe = pipeline.Pipeline(wrapped, schedule, m, loss_fn=nn.functional.mse_loss, mesh=mesh)
@@ -164,15 +179,17 @@ def _pipeline_of_sharded_stages(schedule: str) -> None:
         pipe.step(x[shard] if first else None, target=y[shard] if last else None)
         torch_mp.clip_grad_norm_(mine.parameters(), MAX_NORM, mesh=mesh)
         optimizer.step()
-        for (name, p), ref in zip(
-            mine.named_parameters(), reference[mesh.pp_rank].parameters(), strict=True
-        ):
-            assert_close(p, ref, f"{schedule} step {step} stage {mesh.pp_rank} {name}")
+        with wrapped.gathered_parameters():
+            for (name, p), ref in zip(
+                mine.named_parameters(), reference[mesh.pp_rank].parameters(), strict=True
+            ):
+                assert_close(p, ref, f"{schedule} step {step} stage {mesh.pp_rank} {name}")
 
 
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_pipeline_stages_with_sharded_gradients_equal_one_process(schedule, world4):
-    world4.run(_pipeline_of_sharded_stages, schedule)
+def test_pipeline_stages_with_sharded_gradients_equal_one_process(schedule, zero, world4):
+    world4.run(_pipeline_of_sharded_stages, schedule, _ZERO[zero])
 
 
 def _state_dict_is_a_plain_optimizers() -> None:
