@@ -1,7 +1,8 @@
 """Memory per data-parallel rank: DDP + AdamW, torch's ZeroRedundancyOptimizer, FSDP2's
-``fully_shard``, and torch_mp's DistributedOptimizer (ZeRO-1), with sharded gradients (ZeRO-2),
-each with its all-gather overlapped with the next forward too, and bf16 with fp32 main
-gradients and masters; with the step time of each. Then activation
+``fully_shard`` (resharding after forward, and not), and torch_mp's DistributedOptimizer
+(ZeRO-1), with sharded gradients (ZeRO-2), each with its all-gather overlapped with the next
+forward too, with sharded parameters (ZeRO-3, each Linear a unit as each is FSDP2's), and bf16
+with fp32 main gradients and masters; with the step time of each. Then activation
 memory of a transformer layer with and without recomputation.
 
 Run on CPU with Gloo, once per data-parallel size::
@@ -120,22 +121,27 @@ def setups(mesh, args) -> dict[str, Callable]:
         )
         return wrapped, model, optimizer, torch.float32
 
-    def fsdp2():
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+    def fsdp2(reshard: bool = True):
+        def build():
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
 
-        model = model_of(args)
-        dp_mesh = DeviceMesh.from_group(group, "cpu")
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
-        return model, model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.float32
+            model = model_of(args)
+            dp_mesh = DeviceMesh.from_group(group, "cpu")
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+            return model, model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.float32
+
+        return build
 
     def zero(stage: int, overlap: bool = False):
         def build():
             model = model_of(args)
-            wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_gradients=stage == 2)
+            wrapped = torch_mp.DataParallel(  # (ZeRO-3's units: each Linear, as FSDP2's)
+                model, mesh=mesh, shard_gradients=stage == 2, shard_parameters=stage == 3
+            )
             optimizer = torch_mp.DistributedOptimizer(
                 model.parameters(),
                 torch.optim.AdamW,
@@ -162,11 +168,13 @@ def setups(mesh, args) -> dict[str, Callable]:
     return {
         "DDP + AdamW": (ddp, lambda n: 16),  # (and DDP's buckets, a second copy of the grads)
         "DDP + ZeroRedundancyOptimizer": (zero_redundancy, lambda n: 8 + 8 / n),
-        "FSDP2 fully_shard": (fsdp2, lambda n: 16 / n),
+        "FSDP2 fully_shard": (fsdp2(), lambda n: 16 / n),
+        "FSDP2 fully_shard, no resharding": (fsdp2(False), lambda n: 16 / n),
         "torch_mp ZeRO-1": (zero(1), lambda n: 8 + 8 / n),
         "torch_mp ZeRO-1, overlap_param_gather": (zero(1, True), lambda n: 8 + 8 / n),
         "torch_mp ZeRO-2": (zero(2), lambda n: 4 + 12 / n),
         "torch_mp ZeRO-2, overlap_param_gather": (zero(2, True), lambda n: 4 + 12 / n),
+        "torch_mp ZeRO-3": (zero(3), lambda n: 16 / n),
         "torch_mp bf16, fp32 grads + masters": (bf16, lambda n: 6 + 12 / n),
     }
 
@@ -210,8 +218,12 @@ def measure(build, args, mesh, timing_group) -> dict:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     if hasattr(next(model.parameters()), "to_local"):  # FSDP2: this rank's shards
         params = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
+    if getattr(wrapped, "shard_parameters", False):  # torch_mp ZeRO-3: the shards it steps
+        params = sum(s.numel() * s.element_size() for s in optimizer._shards.shards)
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps one
-    state = state_bytes(getattr(inner, "state", {})) + masters_bytes(optimizer)
+    state = state_bytes(getattr(inner, "state", {}))
+    if not getattr(wrapped, "shard_parameters", False):  # (ZeRO-3's shards are its parameters)
+        state += masters_bytes(optimizer)
     return {
         "params": params,
         "state": state,

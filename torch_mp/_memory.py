@@ -17,42 +17,43 @@ from torch.utils._pytree import tree_flatten
 
 class PeakMemory(TorchDispatchMode):
     """Context manager: ``peak`` (bytes) is the most tensor storage allocated inside it and alive
-    at once; ``current`` what is still alive. Storages made before it are not counted."""
+    at once; ``current`` what is still alive. Storages made before it are not counted. A storage
+    counts at its size of the moment: one resized to nothing (as ZeRO-3 and FSDP free their
+    gathered parameters between uses) counts nothing until it is given memory again."""
 
     def __init__(self) -> None:
         super().__init__()
         self.peak = 0
-        self._live: dict[int, tuple[int, StorageWeakRef]] = {}  # address -> (bytes, weak ref)
+        self._live: dict[int, StorageWeakRef] = {}  # the storage (its C++ object) -> a weak ref
 
     @property
     def current(self) -> int:
-        self._sweep()
-        return sum(nbytes for nbytes, _ in self._live.values())
-
-    def _sweep(self) -> None:
-        for key in [k for k, (_, ref) in self._live.items() if ref.expired()]:
-            del self._live[key]
+        total = 0
+        for key, ref in list(self._live.items()):
+            if ref.expired():
+                del self._live[key]
+            else:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs, _ = tree_flatten((args, kwargs))
-        seen = {_address(t) for t in inputs if isinstance(t, torch.Tensor)}
+        seen = {_key(t) for t in inputs if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
-        self._sweep()
         outputs, _ = tree_flatten(out)
         for t in outputs:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = _address(t)
-                if key not in seen and key not in self._live and storage.nbytes() > 0:
-                    self._live[key] = (storage.nbytes(), StorageWeakRef(storage))
-        self.peak = max(self.peak, sum(nbytes for nbytes, _ in self._live.values()))
+                key = _key(t)
+                if key is not None and key not in seen and key not in self._live:
+                    self._live[key] = StorageWeakRef(t.untyped_storage())
+        self.peak = max(self.peak, self.current)
         return out
 
 
-def _address(t: torch.Tensor) -> int | None:
-    """Where ``t``'s storage lies; None for a storage without data (one resized to nothing, as
-    FSDP leaves its unsharded parameters between uses)."""
+def _key(t: torch.Tensor) -> int | None:
+    """``t``'s storage (the address of its C++ object, which views share); None for a tensor
+    without one."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage()._cdata
     except RuntimeError:
         return None

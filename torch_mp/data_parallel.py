@@ -201,17 +201,8 @@ class DataParallel(nn.Module):
         ``write_back``, what was written into them is kept (each rank keeps its range) when the
         block ends. Collective over the data-parallel group. Without ``shard_parameters`` the
         parameters are always whole, and this does nothing."""
-        if not self.shard_parameters:
+        with whole_parameters(self.module, write_back):
             yield
-            return
-        self._sync.gather_parameters()
-        try:
-            yield
-        finally:
-            if write_back:
-                self._sync.write_back_parameters()
-            else:
-                self._sync.free_parameters()
 
     def prepare_for_forward(self) -> None:
         """Before a forward (``forward`` calls it): rebuilds the buckets once, in the order the
@@ -246,26 +237,13 @@ def whole_parameters(
     gathered (tensors read inside are then freed after it: copy what is kept)."""
     if isinstance(modules, nn.Module):
         modules = [modules]
-    engines = []
-    for m in modules:
-        for p in m.parameters():
-            engine = _C.data_parallel.ShardedGradientSync.of(p)
-            if (
-                engine is not None
-                and engine.shards_parameters
-                and not any(engine is e for e in engines)
-            ):
-                engines.append(engine)
-    for engine in engines:
-        engine.gather_parameters()
+    whole = _C.data_parallel.WholeParameters(
+        [p for m in modules for p in m.parameters()], write_back
+    )
     try:
-        yield bool(engines)
+        yield whole.gathered
     finally:
-        for engine in engines:
-            if write_back:
-                engine.write_back_parameters()
-            else:
-                engine.free_parameters()
+        whole.release()
 
 
 def _units(module: nn.Module, unit) -> list[tuple[nn.Module, int]]:

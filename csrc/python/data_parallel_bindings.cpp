@@ -122,6 +122,14 @@ void bind_data_parallel(py::module_& parent) {
           [](const at::Tensor& p) { return ShardedGradientSync::of(p) != nullptr; },
           py::arg("parameter"))
       .def_static("of", &ShardedGradientSync::of, py::arg("parameter"));
+  py::class_<WholeParameters>(
+      m, "WholeParameters", "The sharded (ZeRO-3) parameters among these, whole until release.")
+      .def(py::init<const std::vector<at::Tensor>&, bool>(),
+           py::arg("parameters"),
+           py::arg("write_back") = false,
+           ReleaseGil())
+      .def_property_readonly("gathered", &WholeParameters::gathered)
+      .def("release", &WholeParameters::release, ReleaseGil());
 
   // ---- parameter layouts ----
   py::class_<ParameterLayout>(parent, "ParameterLayout", "How a parameter lies on the mesh.")

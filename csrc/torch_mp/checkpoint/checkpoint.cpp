@@ -10,6 +10,7 @@
 
 #include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/optimizer_state.h"
+#include "torch_mp/data_parallel/sharded_gradient_sync.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/optim/parameter_shards.h"
 #include "torch_mp/tensor_parallel/blocks.h"
@@ -283,6 +284,17 @@ void warn_if_unchecked(const Reader& reader) {
   }
 }
 
+// Every stage's parameters, for a ZeRO-3 DataParallel's units to be gathered around a save or
+// a load (data_parallel::WholeParameters).
+std::vector<at::Tensor> parameters_of(const std::vector<Stage>& stages) {
+  std::vector<at::Tensor> out;
+  for (const auto& stage : stages) {
+    const auto mine = stage.module->parameters();
+    out.insert(out.end(), mine.begin(), mine.end());
+  }
+  return out;
+}
+
 }  // namespace
 
 void save(const std::string& path,
@@ -291,6 +303,7 @@ void save(const std::string& path,
           const std::map<std::string, std::string>& extra,
           std::shared_ptr<Mesh> mesh) {
   mesh = mesh ? mesh : get_mesh();
+  const data_parallel::WholeParameters whole(parameters_of(stages));
   const auto request = save_request(path, stages, optimizer, extra, mesh);
   checkpoint::save(
       path, request.shards, request.file, request.files, request.metadata, {}, mesh->world);
@@ -302,6 +315,7 @@ std::shared_ptr<AsyncSave> async_save(const std::string& path,
                                       const std::map<std::string, std::string>& extra,
                                       std::shared_ptr<Mesh> mesh) {
   mesh = mesh ? mesh : get_mesh();
+  const data_parallel::WholeParameters whole(parameters_of(stages));  // (copied before return)
   const auto request = save_request(path, stages, optimizer, extra, mesh);
   return checkpoint::async_save(path,
                                 request.shards,
@@ -319,6 +333,7 @@ std::map<std::string, std::string> load(const std::string& path,
   mesh = mesh ? mesh : get_mesh();
   const Reader reader(path, mesh->world);
   warn_if_unchecked(reader);
+  data_parallel::WholeParameters whole(parameters_of(stages), /*write_back=*/true);
   // Optimizer state is read into new tensors, and replaces what the optimizer holds once
   // everything has been read; the model is written in place (Reader::load checks on every
   // rank that everything is there before it writes anything).
@@ -362,6 +377,7 @@ std::map<std::string, std::string> load(const std::string& path,
   });
   raise_anywhere(problems, "torch_mp::checkpoint: cannot load " + reader.path(), mesh->world);
   reader.load(shards, mesh->world);
+  whole.release();  // (each rank keeps its range of what was read)
   std::vector<LoadedState> loaded;
   for (auto& p : pending) {
     const auto step = p.step.defined() ? std::optional<int64_t>(std::llround(p.step.item<double>()))
@@ -386,6 +402,7 @@ void load_dense(const std::string& path,
   mesh = mesh ? mesh : get_mesh();
   const Reader reader(path, mesh->world, kModel);
   warn_if_unchecked(reader);
+  const data_parallel::WholeParameters whole(parameters_of(stages), /*write_back=*/true);
   std::vector<Shard> shards;
   std::vector<std::string> problems;
   collect_problems(problems, [&] { shards = model_shards(all_dense_tensors(stages), *mesh); });

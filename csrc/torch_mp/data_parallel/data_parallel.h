@@ -51,6 +51,20 @@ struct DataParallelOptions {
   /// Accumulate every backward's gradients into main gradients of this dtype (fp32 for 16-bit
   /// parameters) and reduce in it; implies shard_gradients (the DistributedOptimizer reads them).
   TORCH_ARG(std::optional<at::ScalarType>, grad_dtype) = std::nullopt;
+  /// Shard the parameters too (ZeRO-3; implies shard_gradients: sharded_parameters.h): between
+  /// steps each rank holds only its range of them, and a parameter's data is an empty tensor
+  /// (read whole parameters inside gathered_parameters(), or through torch_mp::checkpoint).
+  /// LibTorch modules have no forward hooks, so the forward gathers every unit before it
+  /// starts and frees them when it ends; the backward gathers them again as it starts and
+  /// frees each unit once its gradients are reduce-scattered. Step with a
+  /// torch_mp::DistributedOptimizer over module->parameters().
+  TORCH_ARG(bool, shard_parameters) = false;
+  /// Under shard_parameters, the module types whose instances are units, by name: "Block"
+  /// names BlockImpl in any namespace (Module::name()); empty: each child of the module
+  /// (a ModuleList's or ModuleDict's members). The module itself is a unit too, holding the
+  /// parameters outside every other; a parameter shared by units belongs to the innermost unit
+  /// that holds them all.
+  TORCH_ARG(std::vector<std::string>, units) = {};
   /// Expert parallelism: the experts' parameters (sharded over `expert_group`) reduced over
   /// `expert_data_group` instead (GradientSyncOptions::expert_group); the default mesh's
   /// ep_group and expert_dp_group when unset and there is a default mesh.
@@ -82,6 +96,7 @@ class DataParallelImpl : public torch::nn::Module {
                 "between prepare_for_forward() and prepare_for_backward()");
     prepare_for_forward();
     at::Tensor output = forward_.forward(std::forward<Args>(args)...);
+    finish_forward({output});
     if (require_backward_grad_sync_ && at::GradMode::is_enabled()) {
       prepare_for_backward();
     }
@@ -89,8 +104,19 @@ class DataParallelImpl : public torch::nn::Module {
   }
 
   /// Before a forward: waits for a DistributedOptimizer's overlapped all-gather of these
-  /// parameters, rebuilds the buckets once, and broadcasts buffers when due.
+  /// parameters, rebuilds the buckets once, and broadcasts buffers when due; with
+  /// shard_parameters, gathers every unit.
   void prepare_for_forward();
+  /// After a forward, with shard_parameters: frees every unit, and makes the backward through
+  /// `outputs` gather them again (forward does it; call it yourself after calling the wrapped
+  /// module directly). Without: nothing.
+  void finish_forward(const std::vector<at::Tensor>& outputs);
+  /// Every parameter whole until the returned guard ends (collective over the data group);
+  /// with `write_back`, what was written into them is kept. Without shard_parameters the
+  /// parameters are always whole, and the guard does nothing.
+  [[nodiscard]] WholeParameters gathered_parameters(bool write_back = false) {
+    return WholeParameters(module->parameters(), write_back);
+  }
   /// Arms the reduction for the next backward (forward does this unless under no_sync).
   /// Raises, naming them, if the last synced backward gave some parameters no gradient.
   void prepare_for_backward();

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <exception>
 #include <sstream>
 #include <unordered_map>
 
@@ -206,7 +207,9 @@ void ShardedGradientSync::launch(size_t b) {
   if (grad_dtype_) {
     input = main_[b];
   } else {
-    staging = static_cast<int>(next_staging_++ % staging_.size());
+    // (ZeRO-3 keeps one staging buffer: its memory bound is the formula plus one unit)
+    const size_t slots = sharded_ ? 1 : staging_.size();
+    staging = static_cast<int>(next_staging_++ % slots);
     input = staging_buffer(staging, chunk * size, options);
     int64_t used = 0;
     for (size_t j = 0; j < bucket.parameters.size(); ++j) {
@@ -360,6 +363,41 @@ void ShardedGradientSync::write_back_parameters() {
   std::lock_guard<std::mutex> lock(mutex_);
   check_sharding(sharded_);
   sharded_->write_back_and_free();
+}
+
+size_t ShardedGradientSync::num_units() const { return sharded_ ? sharded_->num_units() : 0; }
+
+WholeParameters::WholeParameters(const std::vector<at::Tensor>& parameters, bool write_back)
+    : write_back_(write_back) {
+  for (const auto& p : parameters) {
+    auto engine = ShardedGradientSync::of(p);
+    if (engine && engine->shards_parameters() &&
+        std::find(engines_.begin(), engines_.end(), engine) == engines_.end()) {
+      engines_.push_back(std::move(engine));
+    }
+  }
+  for (const auto& engine : engines_) {
+    engine->gather_parameters();
+  }
+}
+
+void WholeParameters::release() {
+  auto engines = std::move(engines_);
+  engines_.clear();
+  for (const auto& engine : engines) {
+    write_back_ ? engine->write_back_parameters() : engine->free_parameters();
+  }
+}
+
+WholeParameters::~WholeParameters() noexcept(false) {
+  if (std::uncaught_exceptions() > 0) {  // (unwinding: a second exception would terminate)
+    try {
+      release();
+    } catch (...) {
+    }
+    return;
+  }
+  release();
 }
 
 std::vector<int64_t> ShardedGradientSync::parameter_shape(size_t i) const {

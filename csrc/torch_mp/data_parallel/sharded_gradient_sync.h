@@ -103,6 +103,8 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
 
   // ---- ZeRO-3 (shard_parameters): see sharded_parameters.h ----
   bool shards_parameters() const { return sharded_ != nullptr; }
+  /// How many units (0 without shard_parameters).
+  size_t num_units() const;
   /// Unit u's parameters, whole, before its forward (and the next unit's on their way).
   void before_forward(size_t unit);
   /// Unit u's parameters freed after its forward.
@@ -184,6 +186,29 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   std::vector<size_t> ready_count_;  // per bucket, in the armed backward
   std::vector<Pending> pending_;
   size_t launched_ = 0;
+};
+
+/// While it lives, the parameters among `parameters` that a DataParallel(shard_parameters=True)
+/// shards are whole (every unit of each such DataParallel gathered): what checkpoints read and
+/// write through. Collective over those DataParallels' groups; nothing sharded: does nothing.
+/// With `write_back`, what was written into them is kept (each rank keeps its range) when it
+/// ends.
+class WholeParameters {
+ public:
+  WholeParameters(const std::vector<at::Tensor>& parameters, bool write_back = false);
+  ~WholeParameters() noexcept(false);
+  WholeParameters(WholeParameters&& other) noexcept = default;
+  WholeParameters(const WholeParameters&) = delete;
+  WholeParameters& operator=(const WholeParameters&) = delete;
+  WholeParameters& operator=(WholeParameters&&) = delete;
+  /// Whether anything was gathered (then tensors read meanwhile are freed with it: copy them).
+  bool gathered() const { return !engines_.empty(); }
+  /// Ends it now (what the destructor does otherwise).
+  void release();
+
+ private:
+  std::vector<std::shared_ptr<ShardedGradientSync>> engines_;
+  bool write_back_;
 };
 
 }  // namespace torch_mp::data_parallel

@@ -147,6 +147,9 @@ void ShardedParameters::free(size_t u) {
 
 void ShardedParameters::gather_in_order(size_t u, std::vector<size_t>& next, size_t& last) {
   TORCH_CHECK(u < units_.size(), "ShardedParameters: no unit ", u);
+  if (u != 0 && units_[u].buckets.empty()) {
+    return;  // nothing to gather (an activation): the prefetch looks past it
+  }
   if (u == 0) {
     last = kNone;  // the root: a new pass begins
   } else if (last != kNone && last != u) {
