@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from torch_mp import _C
+from torch_mp.layout import refuse_dtensors
 from torch_mp.mesh import Mesh, get_mesh
 
 
@@ -43,9 +44,11 @@ def clip_grad_norm_(
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    parameters = list(parameters)
+    refuse_dtensors(parameters, "torch_mp.clip_grad_norm_")
     mesh = mesh if mesh is not None else get_mesh()
     return _C.clip_grad_norm_(
-        list(parameters),
+        parameters,
         float(max_norm),
         float(norm_type),
         mesh.tp_group.group_name,

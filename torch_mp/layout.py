@@ -32,7 +32,33 @@ def layout_of(parameter: torch.Tensor) -> ParameterLayout | None:
         parameter no torch_mp layer made; those count as replicated over the tensor-parallel
         group.
     """
+    refuse_dtensors([parameter], "torch_mp.layout_of")
     return _C.layout_of(parameter)
+
+
+def refuse_dtensors(parameters, what: str) -> None:
+    """Raises if a parameter (of a module, or of a list) is a DTensor (PyTorch's
+    ``fully_shard`` made it): torch_mp's clipping, layouts and checkpoints read plain tensors
+    with the layouts torch_mp's layers give them, which ``fully_shard``'s DTensors replace.
+    Every rank holds the same kinds of parameters, so every rank raises alike, before any
+    collective."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(parameters, nn.Module):
+        named = list(parameters.named_parameters())
+    else:
+        named = [(f"parameter {i}", p) for i, p in enumerate(parameters)]
+    for name, p in named:
+        if isinstance(p, DTensor):
+            raise RuntimeError(
+                f"{what}: {name} (shape {tuple(p.shape)}) is a DTensor, as PyTorch's "
+                "fully_shard makes them: torch_mp's clipping, layouts and checkpoints need the "
+                "plain parameters torch_mp's layers made (their tensor-parallel layouts are "
+                "lost in the DTensor). Shard over the data group with torch_mp.DataParallel("
+                "module, shard_parameters=True) instead (ZeRO-3, docs/memory.md), which keeps "
+                "them"
+            )
 
 
 def set_layout(

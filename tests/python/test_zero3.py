@@ -350,3 +350,45 @@ def _masters_follow_loaded_parameters(shard_parameters: bool) -> None:
 @pytest.mark.parametrize("shard_parameters", [False, True], ids=["zero2", "zero3"])
 def test_masters_follow_parameters_loaded_after_the_optimizer(shard_parameters, world2):
     world2.run(_masters_follow_loaded_parameters, shard_parameters)
+
+
+# ---- FSDP2 beside torch_mp's layers ------------------------------------------------------------
+
+
+def _fully_shard_beside_tensor_parallel_layers(path: str) -> list[str | None]:
+    # PyTorch's fully_shard over the data group around tensor-parallel layers (tp 2 x dp 2):
+    # torch_mp's clipping, layouts and checkpoints refuse its DTensors on every rank, before any
+    # collective, naming the parameter and the supported way.
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = use_mesh(2)
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+    model = nn.Sequential(
+        torch_mp.ColumnParallelLinear.from_dense(dense[0]),
+        nn.GELU(),
+        torch_mp.RowParallelLinear.from_dense(dense[2]),
+    )
+    data = DeviceMesh.from_group(mesh.dp_group, "cpu")
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=data)
+    fully_shard(model, mesh=data)
+    model(torch.randn(4, WIDTH)).square().mean().backward()
+    return [
+        error_of(torch_mp.clip_grad_norm_, model.parameters(), 1.0, mesh=mesh),
+        error_of(torch_mp.layout_of, model[0].weight),
+        error_of(checkpoint.save, path, model, mesh=mesh),
+        error_of(checkpoint.export_dense, path + ".safetensors", model, mesh=mesh),
+        error_of(checkpoint.dense_state_dict, model),
+    ]
+
+
+def test_fully_shard_beside_torch_mp_layers_is_refused_on_every_rank(world4, tmp_path):
+    for rank, messages in enumerate(
+        world4.run(_fully_shard_beside_tensor_parallel_layers, str(tmp_path / "ckpt"))
+    ):
+        for message in messages:
+            assert message is not None, f"rank {rank}: accepted"
+            assert "is a DTensor" in message and "shard_parameters=True" in message, message
+        assert "0.weight (shape (8, 8))" in messages[2], messages[2]

@@ -18,7 +18,7 @@ from torch import nn
 
 from torch_mp import _C
 from torch_mp.data_parallel import whole_parameters
-from torch_mp.layout import layout_of
+from torch_mp.layout import layout_of, refuse_dtensors
 
 Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
 
@@ -94,6 +94,7 @@ def dense_state_dict(module: nn.Module, rename: Rename = None) -> dict[str, torc
     Returns:
         Detached tensors (gathered ones are fresh; others are the module's own).
     """
+    refuse_dtensors(module, "torch_mp.checkpoint.dense_state_dict")
     to_dense_name = _renamer(rename)
     _C.optim.wait_for_gathers(list(module.parameters()))  # (an overlapped step's all-gather)
     out: dict[str, torch.Tensor] = {}
@@ -120,6 +121,7 @@ def load_dense_state_dict(
     holds every tensor its modules need, with the right shapes, and if any rank finds one
     missing or misshapen, every rank raises, naming them, before anything is changed.
     """
+    refuse_dtensors(module, "torch_mp.checkpoint.load_dense_state_dict")
     with whole_parameters(module, write_back=True):  # (ZeRO-3: each rank keeps its range)
         _load_dense_state_dict(module, state_dict, rename, group)
 
@@ -173,6 +175,8 @@ def _modules_and_renames(
     model: nn.Module | Sequence[nn.Module], rename: Rename | Sequence[Rename]
 ) -> list[tuple[nn.Module, Rename]]:
     modules = [model] if isinstance(model, nn.Module) else list(model)
+    for module in modules:
+        refuse_dtensors(module, "torch_mp.checkpoint")
     if isinstance(rename, (list, tuple)):
         if len(rename) != len(modules):
             raise ValueError(
