@@ -56,6 +56,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8, help="rows per rank")
     parser.add_argument("--steps", type=int, default=4, help="timed steps (after one untimed)")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated words: run only the setups whose names contain one (DDP + AdamW "
+        "and ZeroRedundancyOptimizer always run: the ratios are to them), e.g. --only ZeRO-2",
+    )
     parser.add_argument("--seq", type=int, default=256, help="of the activation benchmark")
     parser.add_argument("--hidden", type=int, default=512, help="of the activation benchmark")
     parser.add_argument("--heads", type=int, default=8, help="of the activation benchmark")
@@ -165,7 +171,7 @@ def setups(mesh, args) -> dict[str, Callable]:
         )
         return wrapped, model, optimizer, torch.bfloat16
 
-    return {
+    everything = {
         "DDP + AdamW": (ddp, lambda n: 16),  # (and DDP's buckets, a second copy of the grads)
         "DDP + ZeroRedundancyOptimizer": (zero_redundancy, lambda n: 8 + 8 / n),
         "FSDP2 fully_shard": (fsdp2(), lambda n: 16 / n),
@@ -176,6 +182,12 @@ def setups(mesh, args) -> dict[str, Callable]:
         "torch_mp ZeRO-2, overlap_param_gather": (zero(2, True), lambda n: 4 + 12 / n),
         "torch_mp ZeRO-3": (zero(3), lambda n: 16 / n),
         "torch_mp bf16, fp32 grads + masters": (bf16, lambda n: 6 + 12 / n),
+    }
+    words = [w for w in args.only.split(",") if w]
+    return {
+        name: setup
+        for name, setup in everything.items()
+        if name.startswith("DDP") or not words or any(w in name for w in words)
     }
 
 

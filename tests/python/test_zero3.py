@@ -392,3 +392,47 @@ def test_fully_shard_beside_torch_mp_layers_is_refused_on_every_rank(world4, tmp
             assert message is not None, f"rank {rank}: accepted"
             assert "is a DTensor" in message and "shard_parameters=True" in message, message
         assert "0.weight (shape (8, 8))" in messages[2], messages[2]
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(WIDTH, WIDTH)
+        self.unused = nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _refusals() -> list[str | None]:
+    mesh = use_mesh(1)
+    x, y = (_mine(t, mesh) for t in _batch(0, mesh.dp_size))
+    # A unit never called leaves its parameters without a gradient: the step names them.
+    model = _Branchy()
+    wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_parameters=True)
+    optimizer = torch_mp.DistributedOptimizer(model.parameters(), torch.optim.SGD, mesh=mesh, lr=LR)
+    _loss(wrapped, x, y).backward()
+    unused = error_of(optimizer.step)
+    # A plain optimizer over sharded parameters would step nothing: refused.
+    model = Net()
+    wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_parameters=True)
+    plain = torch.optim.SGD(model.parameters(), lr=LR)
+    _loss(wrapped, x, y).backward()
+    stepped_plainly = error_of(plain.step)
+    # An optimizer built before the wrapper would find no gradients: refused.
+    model = Net()
+    early = torch_mp.DistributedOptimizer(model.parameters(), torch.optim.SGD, mesh=mesh, lr=LR)
+    wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_parameters=True)
+    _loss(wrapped, x, y).backward()
+    built_early = error_of(early.step)
+    return [unused, stepped_plainly, built_early]
+
+
+def test_zero3_refuses_on_every_rank_by_name(world2):
+    for unused, plain, early in world2.run(_refusals):
+        assert unused is not None and "unused.weight [3, 8]" in unused, unused
+        assert plain is not None and "only torch_mp.DistributedOptimizer" in plain, plain
+        assert early is not None and "made after this optimizer" in early, early

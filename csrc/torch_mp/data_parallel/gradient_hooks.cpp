@@ -30,20 +30,23 @@ GradientHooks::~GradientHooks() {
   }
 }
 
-ArmedBackward::ArmedBackward(std::vector<at::Tensor> parameters, std::vector<std::string> names)
-    : parameters_(std::move(parameters)),
-      names_(std::move(names)),
-      ready_(parameters_.size(), false) {
-  TORCH_CHECK(names_.empty() || names_.size() == parameters_.size(),
+ArmedBackward::ArmedBackward(const std::vector<at::Tensor>& parameters,
+                             const std::vector<std::string>& names)
+    : ready_(parameters.size(), false) {
+  TORCH_CHECK(names.empty() || names.size() == parameters.size(),
               "DataParallel: ",
-              names_.size(),
+              names.size(),
               " parameter names for ",
-              parameters_.size(),
+              parameters.size(),
               " parameters");
+  // Taken now, while every parameter is whole: ZeRO-3 frees them to empty tensors.
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    labels_.push_back(parameter_name(names, parameters, i));
+  }
 }
 
 void ArmedBackward::arm() {
-  ready_.assign(parameters_.size(), false);
+  ready_.assign(labels_.size(), false);
   ready_count_ = 0;
   armed_ = true;
 }
@@ -53,13 +56,13 @@ bool ArmedBackward::mark(size_t i) {
     return false;
   }
   ready_[i] = true;
-  if (++ready_count_ == parameters_.size()) {
+  if (++ready_count_ == labels_.size()) {
     armed_ = false;
   }
   return true;
 }
 
-std::string ArmedBackward::name(size_t i) const { return parameter_name(names_, parameters_, i); }
+const std::string& ArmedBackward::name(size_t i) const { return labels_[i]; }
 
 std::string parameter_name(const std::vector<std::string>& names,
                            const std::vector<at::Tensor>& parameters,
@@ -79,7 +82,7 @@ void ArmedBackward::check_complete(const std::string& owner) const {
   }
   std::ostringstream missing;
   size_t count = 0;
-  for (size_t i = 0; i < parameters_.size(); ++i) {
+  for (size_t i = 0; i < labels_.size(); ++i) {
     if (!ready_[i] && count++ < 8) {
       missing << (count > 1 ? ", " : "") << name(i);
     }

@@ -38,7 +38,7 @@ class GradientHooks {
 class ArmedBackward {
  public:
   /// For `parameters` named `names` (the module's names of them; empty: by index and shape).
-  ArmedBackward(std::vector<at::Tensor> parameters, std::vector<std::string> names);
+  ArmedBackward(const std::vector<at::Tensor>& parameters, const std::vector<std::string>& names);
 
   /// A synced backward comes next: no parameter has its gradient yet.
   void arm();
@@ -48,12 +48,11 @@ class ArmedBackward {
   /// Raises, naming those without, if the armed backward gave some parameters a gradient but
   /// not all (`owner` begins the message). Nothing armed, or armed with no gradient yet, passes.
   void check_complete(const std::string& owner) const;
-  /// Parameter i's name, or "parameter i" with its shape.
-  std::string name(size_t i) const;
+  /// Parameter i's name, or "parameter i", with its shape when the engine was built.
+  const std::string& name(size_t i) const;
 
  private:
-  std::vector<at::Tensor> parameters_;
-  std::vector<std::string> names_;
+  std::vector<std::string> labels_;
   std::vector<bool> ready_;
   size_t ready_count_ = 0;
   bool armed_ = false;

@@ -200,7 +200,7 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
     reducer->register_comm_hook(std::make_unique<DividedAllReduce>(expert_data, group_->getSize()));
     reducers_.push_back(std::move(reducer));
   }
-  armed_ = std::make_unique<ArmedBackward>(parameters_, std::move(shared_names));
+  armed_ = std::make_unique<ArmedBackward>(parameters_, shared_names);
   hooks_ = std::make_unique<GradientHooks>(parameters_, [this](size_t i) {
     std::lock_guard<std::mutex> lock(mutex_);
     armed_->mark(i);

@@ -69,7 +69,7 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
       }
     }
   }
-  armed_ = std::make_unique<ArmedBackward>(parameters_, std::move(names));
+  armed_ = std::make_unique<ArmedBackward>(parameters_, names);
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DataParallel: the parameters that require grad");
   TORCH_CHECK(!parameters_.empty(), "DataParallel: the module has no parameter that requires grad");

@@ -202,6 +202,15 @@ ParameterShards::~ParameterShards() {
 void ParameterShards::take_gradients() {
   wait_for_parameters();
   const auto& pieces = layout_.pieces;
+  if (!gradients_) {  // a sharding DataParallel made after us would leave every .grad empty
+    for (const auto& p : parameters_) {
+      TORCH_CHECK(!ShardedGradientSync::of(p),
+                  "DistributedOptimizer: a DataParallel(shard_gradients=True or "
+                  "shard_parameters=True) made after this optimizer reduces its parameters' "
+                  "gradients, so it would find none; build the optimizer after wrapping the "
+                  "module");
+    }
+  }
   for (size_t i = 0; i < data_of_.size(); ++i) {
     TORCH_CHECK(parameters_[i].data_ptr() == data_of_[i],
                 "DistributedOptimizer: the data of ",
@@ -210,13 +219,7 @@ void ParameterShards::take_gradients() {
                 "assignment to .data), so its steps would no longer reach it; build the "
                 "optimizer after the model is in its final dtype and device");
   }
-  if (!gradients_) {  // a sharding DataParallel made after us would leave every .grad empty
-    for (const auto& p : parameters_) {
-      TORCH_CHECK(!ShardedGradientSync::of(p),
-                  "DistributedOptimizer: a DataParallel(shard_gradients=True) made after this "
-                  "optimizer reduces its parameters' gradients, so it would find none; build the "
-                  "optimizer after wrapping the module");
-    }
+  if (!gradients_) {
     check_gradients_averaged(parameters_, names_, group_);
   }
   follow_parameters();
