@@ -150,6 +150,7 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
     int staging;        // the staging buffer it reads (-1: the main gradients, or done)
     at::Tensor output;  // this rank's range of the sum
     c10::intrusive_ptr<c10d::Work> work;  // null once complete
+    at::Tensor summed;  // all-reduced (Gloo) into staging: this rank's range, for the output
   };
   // A staging buffer of `numel` elements (without grad_dtype, the bucket's gradients are copied
   // into one and sent from it), kept from bucket to bucket and step to step: allocating one per
@@ -165,6 +166,7 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   double bucket_cap_mb_;
   std::optional<at::ScalarType> grad_dtype_;
   ShardLayout layout_;
+  std::vector<bool> all_reduced_;     // each bucket's sum: all-reduced (on Gloo), else scattered
   std::vector<size_t> bucket_of_;     // each parameter's bucket
   std::vector<int64_t> start_of_;     // and its first element in it
   std::vector<size_t> piece_bucket_;  // each piece's bucket
