@@ -43,15 +43,21 @@ package) with AdamW (warm-up, then cosine decay) and gradient clipping
   saved in the background (``checkpoint.async_save``: a snapshot, then written while the next
   steps run), each block with its checksum.
 
-Run on CPU with Gloo (tp * pp * dp processes)::
+Run on CPU with Gloo (tp * pp * dp processes; the times are those of 2 CPU cores). A short
+form first, 5 steps (about 25 s), then the whole 70 steps (about 70 s)::
 
+    torchrun --standalone --nproc-per-node=8 examples/python/gpt_3d.py \\
+        --tp 2 --pp 2 --dp 2 --schedule 1f1b --check --steps 5
     torchrun --standalone --nproc-per-node=8 examples/python/gpt_3d.py \\
         --tp 2 --pp 2 --dp 2 --schedule 1f1b --check
+
+With experts, 5 steps (about 39 s; its 70 steps take over 5 minutes)::
+
     torchrun --standalone --nproc-per-node=8 examples/python/gpt_3d.py \\
-        --pp 2 --dp 4 --moe-experts 8 --ep 2 --check
+        --pp 2 --dp 4 --moe-experts 8 --ep 2 --check --steps 5
 
 Killed and relaunched, it continues from its last checkpoint (``--fail-at-step`` kills rank 1
-once, to try it, when the last checkpoint is on disk)::
+once, to try it, when the last checkpoint is on disk; about 16 s)::
 
     torchrun --standalone --nproc-per-node=2 --max-restarts 1 examples/python/gpt_3d.py \\
         --pp 2 --save-every 2 --resume --fail-at-step 5 --check
@@ -100,11 +106,17 @@ PARAMETER_TOLERANCE = 1e-4
 BF16_TOLERANCES = (1e-3, 1e-2)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help``: this file's docstring as it is written, and every option's default."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--dp", type=int, default=None, help="default: world / (tp * pp * cp)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument(
+        "--dp", type=int, default=None, help="data-parallel ranks (None: world / (tp * pp * cp))"
+    )
     parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sequence")
     parser.add_argument(
         "--cp-method",
@@ -119,8 +131,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ep", type=int, default=1, help="expert-parallel ranks (divides the data ranks)"
     )
-    parser.add_argument("--schedule", default="1f1b", choices=pipeline.schedule_names())
-    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument(
+        "--schedule", default="1f1b", choices=pipeline.schedule_names(), help="pipeline schedule"
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="also split the LayerNorms and residuals along the sequence",
+    )
     parser.add_argument(
         "--recompute",
         choices=["full", "selective"],
@@ -135,31 +153,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         const=1,
         default=0,
         choices=[1, 2],
-        help="1 (the default): shard AdamW's state over the data ranks; 2: the gradients too",
+        help="bare or 1: shard AdamW's state over the data ranks; 2: the gradients too",
     )
     parser.add_argument(
         "--bf16", action="store_true", help="bf16 with fp32 main gradients and masters (ZeRO-2)"
     )
-    parser.add_argument("--steps", type=int, default=70)
+    parser.add_argument("--steps", type=int, default=70, help="training steps")
     parser.add_argument("--batch", type=int, default=32, help="sequences per data rank and step")
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     parser.add_argument(
         "--seq", type=int, default=32, help="divisible by --tp and by 2 * --cp (x --tp with -sp)"
     )
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64, help="model width")
     parser.add_argument("--heads", type=int, default=4, help="divisible by --tp")
     parser.add_argument("--ffn", type=int, default=128, help="divisible by --tp")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=10, help="steps of linear warm-up")
     parser.add_argument(
-        "--decay-steps", type=int, default=None, help="the cosine decay's end (default: --steps)"
+        "--decay-steps", type=int, default=None, help="the cosine decay's end (None: --steps)"
     )
     parser.add_argument(
-        "--min-lr", type=float, default=None, help="reached at its end (default: lr / 10)"
+        "--min-lr", type=float, default=None, help="reached at its end (None: lr / 10)"
     )
     parser.add_argument("--clip", type=float, default=0.5, help="max gradient norm")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the initial weights and the data")
     parser.add_argument("--check", action="store_true", help="compare with a one-process run")
     parser.add_argument(
         "--sample", type=int, default=200, help="bytes of text to sample at the end (0: none)"

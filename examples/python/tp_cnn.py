@@ -8,7 +8,7 @@ replicated: its input, the all-reduced block output, is the same on every rank, 
 gradient. Every rank also trains the dense CNN alone, from the same weights and data, as the
 reference. Run on CPU with Gloo::
 
-    torchrun --standalone --nproc-per-node=2 examples/python/tp_cnn.py
+    torchrun --standalone --nproc-per-node=2 examples/python/tp_cnn.py  # ~6 s on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -44,13 +44,17 @@ def gathered(block: torch_mp.ParallelConvBlock) -> dict[str, torch.Tensor]:
     return out
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help``: this file's docstring as it is written, and every option's default."""
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=16)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    parser.add_argument("--steps", type=int, default=5, help="training steps")
+    parser.add_argument("--batch", type=int, default=16, help="images per step")
     parser.add_argument("--size", type=int, default=16, help="image height and width")
-    parser.add_argument("--classes", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--classes", type=int, default=10, help="output classes")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
     args = parser.parse_args()
 
     mesh = torch_mp.init(tp=int(os.environ.get("WORLD_SIZE", "1")), backend="gloo", timeout=60)

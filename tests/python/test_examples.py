@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +24,21 @@ ROOT = Path(__file__).resolve().parents[2]
 _EXIT_RACE = "terminate called without an active exception"
 
 
-def _run_example(script: str, nproc: int, *args: str, torchrun: tuple[str, ...] = ()) -> str:
+def _run_example(
+    script: str,
+    nproc: int,
+    *args: str,
+    torchrun: tuple[str, ...] = (),
+    written: Path | None = None,
+) -> str:
     """Runs ``examples/python/<script>`` on ``nproc`` Gloo ranks (``torchrun`` adds arguments
     to torchrun's own); returns its stdout once it has exited 0 and reported agreement with its
-    reference."""
+    reference. ``written``: a directory the run writes (a checkpoint), removed before a rerun,
+    which must start as the first run did."""
     result = _launch(script, nproc, *args, torchrun=torchrun)
     if result.returncode != 0 and _EXIT_RACE in result.stderr and ": OK" in result.stdout:
+        if written is not None:
+            shutil.rmtree(written, ignore_errors=True)
         result = _launch(script, nproc, *args, torchrun=torchrun)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "agreement with the one-process reference" in result.stdout and ": OK" in result.stdout
@@ -165,7 +177,35 @@ def test_gpt_3d_killed_and_relaunched_by_torchrun_resumes_and_matches_one_proces
         *("--checkpoint", str(tmp_path / "ckpt"), "--check", "--layers", "2"),
         *("--hidden", "16", "--heads", "2", "--ffn", "32", "--seq", "8", "--batch", "4"),
         torchrun=("--max-restarts", "1"),
+        written=tmp_path / "ckpt",
     )
     assert f"resumed from {tmp_path / 'ckpt'} after step 4" in stdout
     assert "step 6/6" in stdout
     assert "checkpoints saved in the background" in stdout  # checkpoint.async_save
+
+
+def test_every_example_help_shows_its_docstring_its_defaults_and_timed_commands():
+    """``--help`` prints the docstring as written (not its first line cut mid-sentence), every
+    option's default, and each documented launch says how long it takes."""
+    scripts = sorted((ROOT / "examples" / "python").glob("*.py"))
+    helps = [
+        subprocess.Popen(
+            [sys.executable, str(script), "--help"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )  # fmt: skip
+        for script in scripts
+    ]
+    for script, process in zip(scripts, helps, strict=True):
+        out, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, script.name
+        doc = ast.get_docstring(ast.parse(script.read_text()), clean=False) or ""
+        first_paragraph = " ".join(doc.split("\n\n")[0].split())
+        assert first_paragraph in " ".join(out.split()), f"{script.name}: {out}"
+        options = out[out.index("options:") :].split("\n  -")[2:]  # (past -h)
+        for option in options:
+            assert "(default:" in option, f"{script.name}: no default shown for -{option}"
+        launches = doc.count("torchrun ")
+        timed = len(re.findall(r"~\d+ s|about \d+ s|\d+ s on 2 CPU cores", doc))
+        assert launches and timed, f"{script.name}: its launch commands give no time"
