@@ -122,6 +122,8 @@ class DataParallel(nn.Module):
         if experts is not None and experts.ep_group is not None:
             expert_names = (experts.ep_group.group_name, experts.expert_dp_group.group_name)
         self.module = module
+        # (what parallelize looks for: it would replace parameters that this wrapper holds)
+        module._torch_mp_wrapped_by = type(self).__name__
         self.group = group
         self.require_backward_grad_sync = True
         self.shard_gradients = shard_gradients or grad_dtype is not None or shard_parameters

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from torch_mp import dense as dense_modules
 from torch_mp.mesh import Mesh, get_mesh
@@ -609,6 +610,22 @@ def _check_config_counts(model: nn.Module, chosen: dict, mesh: Mesh) -> None:
             )
 
 
+def _check_not_wrapped(model: nn.Module) -> None:
+    """A model already in a data-parallel wrapper: parallelize would replace the parameters the
+    wrapper averages with new ones it knows nothing of, left un-averaged."""
+    for name, module in model.named_modules():
+        wrapper = getattr(module, "_torch_mp_wrapped_by", None) or (
+            "DistributedDataParallel" if isinstance(module, DistributedDataParallel) else None
+        )
+        if wrapper is not None:
+            raise ValueError(
+                f"parallelize: {type(model).__name__}"
+                f"{f' (its module {name!r})' if name else ''} is already wrapped in {wrapper}, "
+                "which holds its parameters as they are now; parallelize first, then wrap: "
+                "torch_mp.DataParallel(torch_mp.parallelize(model, mesh, plan), mesh=mesh)"
+            )
+
+
 def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = None) -> nn.Module:
     """Makes ``model`` tensor-parallel over ``mesh``'s tensor group (the default mesh's) by
     ``plan`` (module name or pattern -> style; :func:`default_plan` when None), in place; the
@@ -620,12 +637,14 @@ def parallelize(model: nn.Module, mesh: Mesh | None = None, plan: Plan | None = 
         ``model`` (or its replacement, if the plan names the root ``""``).
 
     Raises:
-        ValueError: If a plan entry matches no module, a module is matched twice or lies
+        ValueError: If ``model`` is already in ``DataParallel`` (or DDP): wrap after
+            parallelizing. If a plan entry matches no module, a module is matched twice or lies
             inside another that is replaced, a style does not fit its module (naming it), or a
             Hugging Face model's config has head, key/value head or MLP width counts the
             tensor group does not divide (naming the module, the count and the sizes that would).
     """
     mesh = mesh or get_mesh()
+    _check_not_wrapped(model)
     plan = default_plan(model) if plan is None else plan
     names = [name for name, _ in model.named_modules()]
     chosen: dict[str, tuple[str, ParallelStyle]] = {}

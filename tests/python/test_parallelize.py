@@ -17,6 +17,7 @@ import torch.distributed as dist
 from conftest import get_world
 from reference import use_mesh
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import torch_mp
 from torch_mp import checkpoint
@@ -204,3 +205,35 @@ def test_a_llama_whose_heads_tp_does_not_divide_is_refused_before_any_change(
         assert message is not None, "accepted: the forward would fail inside transformers"
         assert "'model.layers.0.self_attn'" in message and field in message, message
         assert "tensor-parallel size (2)" in message and fitting in message, message
+
+
+def _parallelize_after_wrapping(wrapper: str) -> str | None:
+    transformers = pytest.importorskip("transformers")
+    mesh = use_mesh(2)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    if wrapper == "DataParallel":
+        torch_mp.DataParallel(model, mesh=mesh)
+    else:
+        model = DistributedDataParallel(model, process_group=mesh.dp_group)
+    try:
+        torch_mp.parallelize(model, mesh, plan=LLAMA_PLAN)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("wrapper", ["DataParallel", "DistributedDataParallel"])
+def test_parallelize_after_a_data_parallel_wrapper_is_refused(wrapper, world2):
+    # (before: accepted, and the new tensor-parallel parameters went un-averaged over the data
+    # group, refused only at the step as parameters "without a gradient")
+    for message in world2.run(_parallelize_after_wrapping, wrapper):
+        assert message is not None and f"already wrapped in {wrapper}" in message, message
+        assert "parallelize first, then wrap" in message, message
