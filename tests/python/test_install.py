@@ -116,3 +116,36 @@ def test_a_libtorch_application_built_against_the_install_prefix_runs(tmp_path):
         ROOT,
     )  # fmt: skip
     assert "OK: largest difference" in out
+
+
+def _readme_block(heading: str, language: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(heading) :]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_cpp_quick_start_builds_as_a_consumer_project_and_runs(tmp_path):
+    """The README's C++ snippet and its two CMake lines, extracted (not copied), in a plain
+    CMake project that sets no C++ standard, built against an install prefix and run as the
+    snippet's first line says."""
+    prefix, source, build = tmp_path / "prefix", tmp_path / "src", tmp_path / "app"
+    cmake = str(BIN / "cmake")
+    _run([cmake, "--install", str(BUILD), "--prefix", str(prefix)], tmp_path)
+    source.mkdir()
+    code = _readme_block("## Quick start: C++", "cpp")
+    launch = code.splitlines()[0].removeprefix("// ").split()
+    assert launch[:2] == ["torchrun", "--no-python"] and launch[-1] == "./app", launch
+    (source / "main.cpp").write_text(code)
+    lines = _readme_block("## Quick start: C++", "cmake")
+    (source / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.18)\nproject(app CXX)\nadd_executable(app main.cpp)\n"
+        + lines
+    )
+    _run(
+        [cmake, "-S", str(source), "-B", str(build), "-G", "Ninja",
+         f"-DCMAKE_MAKE_PROGRAM={BIN / 'ninja'}",
+         f"-DCMAKE_PREFIX_PATH={prefix};{torch.utils.cmake_prefix_path}"],
+        tmp_path,
+    )  # fmt: skip
+    _run([cmake, "--build", str(build)], tmp_path, timeout=600)
+    _run([str(BIN / "torchrun"), "--standalone", *launch[1:]], build)
