@@ -139,12 +139,13 @@ class DataParallel(nn.Module):
                     "DataParallel: shard_gradients (grad_dtype, shard_parameters) takes no "
                     "comm_hook"
                 )
-            for p in module.parameters():
+            for name, p in module.named_parameters():
                 if _C.data_parallel.is_expert_parameter(p, expert_names[0]):
                     raise ValueError(
                         "DataParallel: shard_gradients (grad_dtype, shard_parameters) does not "
-                        "take a mixture of experts' expert parameters yet (a parameter of shape "
-                        f"{tuple(p.shape)} is sharded over the expert group)"
+                        f"take a mixture of experts' expert parameters yet ({name}, of shape "
+                        f"{tuple(p.shape)}, is sharded over the expert group); wrap it without "
+                        "shard_gradients and step it with a plain optimizer"
                     )
             units = _units(module, unit) if shard_parameters else []
             self._sync = _C.data_parallel.ShardedGradientSync(

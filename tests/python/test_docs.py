@@ -43,7 +43,7 @@ def patched(source: str, diff: str) -> str:
     hunks: list[tuple[list[str], list[str]]] = []
     for line in diff.splitlines():
         sign, text = line[:1], line[1:]
-        assert sign in "-+", f"a diff line neither removes nor adds: {line!r}"
+        assert sign in ("-", "+"), f"a diff line neither removes nor adds: {line!r}"
         if sign == "-" and (not hunks or hunks[-1][1]):
             hunks.append(([], []))
         assert hunks, f"lines added before any removed: {line!r}"

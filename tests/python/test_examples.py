@@ -74,7 +74,8 @@ def test_tp_mlp_example_under_torchrun(nproc):
     assert "step 3: loss" in stdout
 
 
-@pytest.mark.parametrize("nproc, sequence_parallel", [(2, False), (4, True)], ids=["2", "4-sp"])
+# (2 ranks without sequence parallelism: docs/tensor-parallel.md's command, run by test_docs.py)
+@pytest.mark.parametrize("nproc, sequence_parallel", [(4, True)], ids=["4-sp"])
 def test_tp_gpt_example_under_torchrun(nproc, sequence_parallel):
     flags = ["--sequence-parallel"] if sequence_parallel else []
     stdout = _run_example("tp_gpt.py", nproc, "--steps", "3", *flags)
@@ -150,19 +151,6 @@ def test_mixtral_moe_example_matches_one_process():
     pytest.importorskip("transformers")
     stdout = _run_example("mixtral_moe.py", 4, "--tp", "2", "--ep", "2", "--steps", "3", "--check")
     assert "tp=2 x dp=2 ranks, ep=2 (4 of 8 experts per rank, top 2)" in stdout
-    assert "step 3/3" in stdout
-
-
-def test_llama_example_with_the_memory_savers_matches_one_process():
-    # A Hugging Face Llama from a small config, parallelize'd over tp 2 x dp 2, in bf16 with fp32
-    # main gradients and masters, ZeRO-2 and recomputed decoder layers: --check fails the run
-    # unless the losses agree with the same recipe on one process to 1e-3. (fp32 runs agree to
-    # 1e-5; the pieces are exact in test_parallelize.py and test_distributed_optimizer.py.)
-    pytest.importorskip("transformers")
-    stdout = _run_example(
-        "llama.py", 4, "--tp", "2", "--bf16", "--recompute", "--steps", "3", "--check"
-    )
-    assert "tp=2 x dp=2 ranks, bf16, ZeRO-2, recompute" in stdout
     assert "step 3/3" in stdout
 
 
