@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from reference import assert_close, error_of, rank_tensor, use_mesh
+from test_zero_edges import _Branchy
 from torch import nn
 
 import torch_mp
@@ -397,21 +398,11 @@ def test_fully_shard_beside_torch_mp_layers_is_refused_on_every_rank(world4, tmp
 # ---- refusals ----------------------------------------------------------------------------------
 
 
-class _Branchy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.used = nn.Linear(WIDTH, WIDTH)
-        self.unused = nn.Linear(WIDTH, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
-
-
 def _refusals() -> list[str | None]:
     mesh = use_mesh(1)
     x, y = (_mine(t, mesh) for t in _batch(0, mesh.dp_size))
     # A unit never called leaves its parameters without a gradient: the step names them.
-    model = _Branchy()
+    model = _Branchy(WIDTH)
     wrapped = torch_mp.DataParallel(model, mesh=mesh, shard_parameters=True)
     optimizer = torch_mp.DistributedOptimizer(model.parameters(), torch.optim.SGD, mesh=mesh, lr=LR)
     _loss(wrapped, x, y).backward()

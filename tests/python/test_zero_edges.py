@@ -23,10 +23,10 @@ LR = 1e-2
 class _Branchy(nn.Module):
     """Two layers, of which forward uses ``used`` only (``unused`` gets no gradient)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.used = nn.Linear(WIDTH, WIDTH)
-        self.unused = nn.Linear(WIDTH, 3)
+        self.used = nn.Linear(width, width)
+        self.unused = nn.Linear(width, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.used(x)
