@@ -168,7 +168,8 @@ void bind_pipeline(py::module_& parent) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_check_finite", &Pipeline::set_check_finite, py::arg("on"))
       .def_property_readonly("trace", &Pipeline::trace)
-      .def_property_readonly("schedule", &Pipeline::schedule);
+      .def_property_readonly("schedule", &Pipeline::schedule)
+      .def_property_readonly("ordered", &Pipeline::ordered);
 
   py::class_<WeightWork>(m, "WeightWork", "What B kept for W (split_backward.h).");
   m.def(

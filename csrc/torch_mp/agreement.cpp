@@ -45,9 +45,10 @@ bool holds_values(const at::Tensor& x) {
                              {c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
 }
 
-// Every rank's row of `mine`, or an undefined tensor when all ranks hold the same row.
+// Every rank's row of `mine` (on the host), or an undefined tensor when all ranks hold the same
+// row. Exchanged on the group's device: an NCCL group may have no Gloo side for CPU tensors.
 at::Tensor rows_if_they_differ(const at::Tensor& mine, const GroupPtr& group) {
-  const auto all = comm::all_gather(mine.unsqueeze(0), 0, group);
+  const auto all = comm::all_gather(mine.unsqueeze(0).to(device_of(group)), 0, group).cpu();
   return all.eq(mine).all().item<bool>() ? at::Tensor() : all;
 }
 
@@ -147,7 +148,28 @@ void check_same_tensors_across_ranks(const std::vector<at::Tensor>& tensors,
                           what + " [count, digest of dtypes and shapes]");
 }
 
+void check_device(const at::Tensor& x, const GroupPtr& group, const char* op) {
+  // (A tensor torch.compile traces with stands for one on its device: that is checked.)
+  if (!collective_checks || (!x.is_meta() && !holds_values(x))) {
+    return;
+  }
+  const at::Device expected = device_of(group);
+  TORCH_CHECK(x.device().type() == expected.type(),
+              "torch_mp: ",
+              op,
+              " on rank ",
+              group->getRank(),
+              " was given a tensor on ",
+              x.device(),
+              ", but its group (",
+              group->getBackendName(),
+              ") carries ",
+              c10::DeviceTypeName(expected.type(), /*lower_case=*/true),
+              " tensors");
+}
+
 void check_operands(const at::Tensor& x, const GroupPtr& group, const char* op) {
+  check_device(x, group, op);
   if (!collective_checks || inside_check || group->getSize() == 1) {
     return;
   }

@@ -56,8 +56,14 @@ void check_same_tensors_across_ranks(const std::vector<at::Tensor>& tensors,
                                      const std::string& what);
 
 /// With the collective checks on, raises on every rank unless the ranks' `x` have the same dtype
-/// and shape (before collective `op` on them).
+/// and shape (before collective `op` on them), and raises unless `x` lives where `group`'s
+/// tensors do (check_device).
 void check_operands(const at::Tensor& x, const GroupPtr& group, const char* op);
+
+/// With the collective checks on, raises, naming `op`, the rank and both devices, unless `x`
+/// lives on `group`'s device (device_of: CUDA for an NCCL group, the CPU otherwise). A Gloo
+/// run with the checks on thus catches a tensor that an NCCL group could not carry.
+void check_device(const at::Tensor& x, const GroupPtr& group, const char* op);
 
 }  // namespace comm
 }  // namespace torch_mp

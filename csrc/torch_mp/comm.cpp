@@ -141,6 +141,29 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const GroupPtr& group, con
   wait_for(work, group, op);
 }
 
+P2PGroup::P2PGroup(GroupPtr group) : group_(std::move(group)), open_(is_nccl(group_)) {
+  if (open_) {
+    group_->startCoalescing(c10::DeviceType::CUDA);
+  }
+}
+
+P2PGroup::~P2PGroup() {
+  if (open_) {
+    try {
+      finish();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): an exception is already on its way
+    }
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> P2PGroup::finish() {
+  if (!open_) {
+    return {};
+  }
+  open_ = false;
+  return group_->endCoalescing(c10::DeviceType::CUDA);
+}
+
 at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   check_group(group);
   dim = c10::maybe_wrap_dim(dim, x.dim());

@@ -42,6 +42,40 @@ c10::intrusive_ptr<c10d::Work> start_all_gather_into(const at::Tensor& output,
 /// error that says so.
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const GroupPtr& group, const char* op);
 
+/// Sends and receives posted together, as batch_isend_irecv posts them. Under NCCL they form
+/// one group (ncclGroupStart .. ncclGroupEnd, through the group's coalescing): two ranks that
+/// send to each other then cannot each wait for a receive queued behind its own send. Elsewhere
+/// (Gloo) they are posted one after the other, every one before any is waited for.
+///
+///   comm::P2PGroup batch(group);
+///   auto send = group->send(out, next, tag);   // null inside an NCCL group
+///   auto recv = group->recv(in, previous, tag);
+///   batch.end(send, recv);                     // the group's work in place of each
+class P2PGroup {
+ public:
+  explicit P2PGroup(GroupPtr group);
+  P2PGroup(const P2PGroup&) = delete;
+  P2PGroup& operator=(const P2PGroup&) = delete;
+  /// Ends a group left open (an exception between its posts).
+  ~P2PGroup();
+
+  /// Ends the group. Under NCCL each operation's work is the group's (which keeps every tensor
+  /// posted in it alive until it completes): it replaces each of `works`.
+  template <typename... Works>
+  void end(Works&... works) {
+    const auto group_work = finish();
+    if (group_work) {
+      ((works = group_work), ...);
+    }
+  }
+  /// Ends the group; its work under NCCL (null elsewhere: each operation has its own).
+  c10::intrusive_ptr<c10d::Work> finish();
+
+ private:
+  GroupPtr group_;
+  bool open_ = false;
+};
+
 /// This rank's chunk along `dim` of the sum of `x` over the group.
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group);
 

@@ -32,6 +32,14 @@ Backend parse_backend(const std::string& name) {
 
 Backend default_backend(bool cuda) { return cuda ? Backend::kNccl : Backend::kGloo; }
 
+bool is_nccl(const GroupPtr& group) {
+  return group->getBackendType() == c10d::ProcessGroup::BackendType::NCCL;
+}
+
+at::Device device_of(const GroupPtr& group) {
+  return is_nccl(group) ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+}
+
 namespace {
 
 #ifdef TORCH_MP_WITH_GLOO

@@ -27,6 +27,14 @@ Backend parse_backend(const std::string& name);
 /// The backend for tensors on `device`: NCCL for CUDA, Gloo otherwise.
 Backend default_backend(bool cuda);
 
+/// Whether `group`'s default backend is NCCL (its tensors live on CUDA devices).
+bool is_nccl(const GroupPtr& group);
+
+/// Where the tensors `group` carries live: the current CUDA device for an NCCL group, the CPU
+/// otherwise. Small exchanges of the core's own (counts, agreements, failure notices) are made
+/// there, so that an NCCL group without a Gloo side (torch.distributed's "nccl") carries them.
+at::Device device_of(const GroupPtr& group);
+
 /// Whether this build can create NCCL groups (a CUDA build of torch, nccl.h found).
 bool nccl_available();
 

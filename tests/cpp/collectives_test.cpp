@@ -8,6 +8,8 @@
 
 #include "tensor_checks.h"
 #include "thread_world.h"
+#include "torch_mp/agreement.h"
+#include "torch_mp/comm.h"
 
 namespace torch_mp {
 namespace {
@@ -147,9 +149,7 @@ TEST_P(CollectivesOnSeveralRanks, ScatterToTpRaisesOnEveryRankWhenTheSizeIsNotDi
   const auto errors = testing::run_on_mesh_collecting_errors(
       t,
       [&](int) { return testing::test_options(t); },
-      [&](const Mesh& mesh) {
-        scatter_to_tp(at::zeros({3, 2 * t + 1}), mesh.tp_group, -1);
-      });
+      [&](const Mesh& mesh) { scatter_to_tp(at::zeros({3, 2 * t + 1}), mesh.tp_group, -1); });
   testing::expect_every_rank_raised(
       errors, "is not divisible by the group size (" + std::to_string(t) + ")");
 }
@@ -159,11 +159,23 @@ TEST_P(CollectivesOnSeveralRanks, ReduceScatterToSpRaisesOnEveryRankWhenTheSizeI
   const auto errors = testing::run_on_mesh_collecting_errors(
       t,
       [&](int) { return testing::test_options(t); },
-      [&](const Mesh& mesh) {
-        reduce_scatter_to_sp(at::zeros({2 * t + 1, 3}), mesh.tp_group, 0);
-      });
+      [&](const Mesh& mesh) { reduce_scatter_to_sp(at::zeros({2 * t + 1, 3}), mesh.tp_group, 0); });
   testing::expect_every_rank_raised(
       errors, "is not divisible by the group size (" + std::to_string(t) + ")");
+}
+
+TEST_P(CollectivesOnSeveralRanks, WithTheChecksOnATensorOffTheGroupsDeviceIsRefused) {
+  // What an NCCL group could not carry (a CPU tensor there) is caught on Gloo too: here a tensor
+  // on the meta device, given to a Gloo group, whose tensors live on the CPU.
+  const int t = world();
+  set_check_collectives(true);
+  const auto errors = testing::run_on_mesh_collecting_errors(
+      t,
+      [&](int) { return testing::test_options(t); },
+      [&](const Mesh& mesh) { comm::all_reduce(at::zeros({4}, at::kMeta), mesh.tp_group); });
+  set_check_collectives(false);
+  testing::expect_every_rank_raised(
+      errors, "was given a tensor on meta, but its group (gloo) carries cpu tensors");
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes,

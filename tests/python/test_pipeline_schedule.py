@@ -246,9 +246,11 @@ def test_zbv_messages_between_two_ranks_are_reordered_for_nccl():
     with pytest.raises(RuntimeError, match="would land in rank 1's"):
         pipeline.simulate(schedule, comm_semantics="nccl")
     safe = pipeline.make_nccl_safe(schedule)
-    assert pipeline.simulate(safe, comm_semantics="nccl").makespan == pytest.approx(
-        pipeline.simulate(schedule).makespan
-    )
+    # Two receives from rank 0 in a row: under NCCL the second is posted once the first is
+    # finished (p2p_groups, so that a message's follow-ups stay next in line), which costs rank 1
+    # one forward's time here.
+    gloo = pipeline.simulate(schedule).makespan
+    assert gloo <= pipeline.simulate(safe, comm_semantics="nccl").makespan <= gloo + 1
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])

@@ -135,11 +135,12 @@ class Pipeline:
         """Makes the pipeline usable again after a step that failed on any rank; call it on
         every rank of the pipeline group, whether its own step raised or not.
 
-        A timeout or a lost connection leaves Gloo's connections closed, so the pipeline moves
-        to a fresh Gloo group of the same ranks (made over the default store, without the other
-        ranks of the job). Messages of the failed step are never taken for the next one, which
-        is exact. A dead process cannot come back this way: restart the job (e.g. torchrun's
-        ``--max-restarts``) and resume from a checkpoint.
+        A timeout or a lost connection leaves Gloo's connections closed, and under NCCL's rules
+        (:attr:`ordered`) a failed step may leave messages queued between two ranks, so the
+        pipeline moves to a fresh group of the same ranks and backend (made over the default
+        store, without the other ranks of the job). Messages of the failed step are never taken
+        for the next one, which is exact. A dead process cannot come back this way: restart the
+        job (e.g. torchrun's ``--max-restarts``) and resume from a checkpoint.
         """
         ranks = dist.get_process_group_ranks(self.group)
         store = dist.distributed_c10d._get_default_store()
@@ -147,8 +148,19 @@ class Pipeline:
 
     @property
     def schedule(self) -> Schedule:
-        """The schedule this pipeline runs."""
+        """The schedule this pipeline runs (made NCCL-safe when :attr:`ordered`)."""
         return self._core.schedule
+
+    @property
+    def ordered(self) -> bool:
+        """Whether the pipeline runs under NCCL's rules: on an NCCL group, or on any group when
+        the collective checks were on at construction (``TORCH_MP_CHECK_COLLECTIVES=1``, or
+        :func:`torch_mp.functional.set_check_collectives`), so that a Gloo run does what an NCCL
+        run would. Then the schedule is made NCCL-safe
+        (:func:`~torch_mp.pipeline.make_nccl_safe`) and proved to run under NCCL's semantics, each
+        run of consecutive sends and receives is posted as one group, and every message between
+        two ranks has the same tag, matched in the order sent."""
+        return self._core.ordered
 
     @property
     def trace(self):

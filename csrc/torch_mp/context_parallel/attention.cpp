@@ -317,7 +317,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
 }
 
 // The ring's neighbours and its exchange of one tensor: sent to the next rank, received from
-// the previous one, both posted before the caller computes and waited for after.
+// the previous one, posted together (one NCCL group, comm::P2PGroup: at two ranks the next is
+// the previous, and two sends to each other must not wait behind one another) before the caller
+// computes, and waited for after. NCCL runs the pair on its own stream, so the exchange overlaps
+// the block's compute there as on Gloo.
 struct Ring {
   GroupPtr group;
   int64_t rank, size;
@@ -332,8 +335,11 @@ struct Ring {
     std::vector<at::Tensor> out{tensor};
     t.received = at::empty_like(tensor);
     std::vector<at::Tensor> in{t.received};
+    comm::check_device(tensor, group, "context_parallel ring send");
+    comm::P2PGroup batch(group);
     t.send = group->send(out, static_cast<int>((rank + 1) % size), tag);
     t.recv = group->recv(in, static_cast<int>((rank + size - 1) % size), tag);
+    batch.end(t.send, t.recv);
     return t;
   }
 
@@ -348,20 +354,6 @@ struct Ring {
 constexpr int kKeysValuesTag = 0x6b76;        // "kv"
 constexpr int kKeysValuesGradTag = 0x646b76;  // "dkv"
 
-void check_ring_inputs(const at::Tensor& q,
-                       const at::Tensor& k,
-                       const at::Tensor& v,
-                       const GroupPtr& group,
-                       bool is_causal,
-                       bool load_balance) {
-  check_parts(q, k, v, group, is_causal, load_balance);
-  TORCH_CHECK(group->getBackendType() != c10d::ProcessGroup::BackendType::NCCL,
-              kWhat,
-              "(method='ring'): the ring's transfers are not yet grouped as NCCL needs them (a "
-              "send there waits for its receive); use method='all_gather' or 'all_to_all' on an "
-              "NCCL group");
-}
-
 std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
                                                        const at::Tensor& k,
                                                        const at::Tensor& v,
@@ -371,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
                                                        bool load_balance) {
   const auto group = group_named(group_name);
   const Ring r{group, group->getRank(), group->getSize()};
-  check_ring_inputs(q, k, v, r.group, is_causal, load_balance);
+  check_parts(q, k, v, r.group, is_causal, load_balance);
   const int64_t batch = q.size(0), local = q.size(2);
   const auto accumulate = q.options().dtype(accumulation_dtype(q));
   auto out = at::zeros(q.sizes(), accumulate);

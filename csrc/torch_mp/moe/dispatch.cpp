@@ -49,6 +49,7 @@ at::Tensor rows_kernel(const at::Tensor& x,
   if (size == 1) {
     return output.copy_(x);
   }
+  comm::check_device(x, group, "all_to_all_rows");
   auto input = x.contiguous();
   auto output_splits = recv_counts.vec();
   auto input_splits = send_counts.vec();
@@ -130,6 +131,7 @@ at::Tensor exchange_counts(const at::Tensor& counts, const GroupPtr& group) {
   if (size == 1) {
     return counts.clone();
   }
+  comm::check_device(counts, group, "exchange_counts");
   comm::check_same_across_ranks({counts.size(1)}, group, "torch_mp.moe: the counts per rank");
   auto input = counts.contiguous();
   auto output = at::empty_like(input);

@@ -72,8 +72,9 @@ at::Tensor run_experts(const MoEParameters& p,
   return at::cat(outputs);
 }
 
+// The host's copy of an int64 tensor's values.
 std::vector<int64_t> as_vector(const at::Tensor& t) {
-  const auto c = t.contiguous();
+  const auto c = t.cpu().contiguous();
   return {c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel()};
 }
 
@@ -131,8 +132,9 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
   if (ranks > 1 && hidden != p.router_weight.size(1)) {
     // Routing would fail on this rank alone: the counts' hidden-size column tells the others
     // first (below), so that every rank raises.
-    exchange_counts(at::cat({at::zeros({ranks, local_experts}, at::kLong),
-                             at::full({ranks, 1}, hidden, at::kLong)},
+    const auto on_device = at::TensorOptions(at::kLong).device(x.device());
+    exchange_counts(at::cat({at::zeros({ranks, local_experts}, on_device),
+                             at::full({ranks, 1}, hidden, on_device)},
                             1),
                     group);
     TORCH_CHECK(false,
@@ -154,7 +156,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
   const auto choice = kept.index_select(0, order);  // into the [T * k] choices
   const auto token = at::floor_divide(choice, o.top_k());
   const auto weight = r.weights.flatten().index_select(0, choice);
-  const auto per_expert = at::bincount(expert_of, {}, num_experts).to(at::kCPU);
+  // On the tokens' device: the counts travel as the group's tensors (NCCL's are CUDA tensors).
+  const auto per_expert = at::bincount(expert_of, {}, num_experts);
 
   const auto sent = tokens.index_select(0, token);
   at::Tensor results;
@@ -166,7 +169,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
     const auto counts = at::cat({per_expert.view({ranks, local_experts}),
                                  at::full({ranks, 1}, hidden, per_expert.options())},
                                 1);
-    const auto received = exchange_counts(counts, group);  // [ranks, local experts + 1]
+    // [ranks, local experts + 1], read on the host from here on
+    const auto received = exchange_counts(counts, group).cpu();
     const auto hiddens = received.select(1, local_experts);
     TORCH_CHECK(hiddens.eq(hidden).all().item<bool>(),
                 "MoE: the ranks of the expert group pass different hidden sizes (rank ",

@@ -3,7 +3,9 @@
 
 #include "torch_mp/pipeline/action_plan.h"
 
+#include <algorithm>
 #include <optional>
+#include <set>
 #include <tuple>
 
 namespace torch_mp::pipeline {
@@ -147,6 +149,40 @@ std::map<size_t, std::vector<size_t>> sends_released_by(
   return released;
 }
 
+std::vector<std::vector<size_t>> p2p_groups(const std::vector<Action>& list,
+                                            const Schedule& schedule) {
+  std::vector<std::vector<size_t>> groups;
+  for (size_t i = 0; i < list.size();) {
+    if (is_compute(list[i].kind)) {
+      ++i;
+      continue;
+    }
+    size_t end = i;
+    while (end < list.size() && !is_compute(list[end].kind)) {
+      ++end;
+    }
+    groups.emplace_back();
+    for (size_t j = i; j < end; ++j) {
+      if (is_send(list[j])) {
+        groups.back().push_back(j);
+      }
+    }
+    std::set<int64_t> receiving_from;
+    for (size_t j = i; j < end; ++j) {
+      if (!is_recv(list[j])) {
+        continue;
+      }
+      if (!receiving_from.insert(schedule.rank_of_stage(peer_stage(list[j]))).second) {
+        groups.emplace_back();
+        receiving_from = {schedule.rank_of_stage(peer_stage(list[j]))};
+      }
+      groups.back().push_back(j);
+    }
+    i = end;
+  }
+  return groups;
+}
+
 size_t LastBackward::of(ActionKind kind) const {
   return kind == ActionKind::kFullBackward    ? full
          : kind == ActionKind::kBackwardInput ? input
@@ -164,6 +200,10 @@ ActionPlan plan_actions(const Schedule& schedule, int64_t rank, bool train) {
   plan.actions = lists[rank];
   plan.sends_released_by = sends_released_by(lists, schedule, rank);
   plan.last_backward = last_backwards(plan.actions, schedule);
+  for (auto& group : p2p_groups(plan.actions, schedule)) {
+    const size_t first = *std::min_element(group.begin(), group.end());
+    plan.groups.emplace(first, std::move(group));
+  }
   plan.routes.resize(plan.actions.size());
   for (size_t i = 0; i < plan.actions.size(); ++i) {
     const Action& a = plan.actions[i];

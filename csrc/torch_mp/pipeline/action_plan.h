@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "torch_mp/pipeline/schedule.h"
@@ -38,6 +39,15 @@ std::vector<Action> forward_only(const std::vector<Action>& actions);
 /// the receive, then the sends it releases.
 std::map<size_t, std::vector<size_t>> sends_released_by(
     const std::vector<std::vector<Action>>& lists, const Schedule& schedule, int64_t rank);
+
+/// Under NCCL's rules, the groups in which a rank posts its sends and receives together
+/// (comm::P2PGroup), each as the indices in `list` of its members, in posting order. Each run
+/// of consecutive sends and receives is one group, posted when the run is reached, sends first,
+/// except that a receive from a rank that the group already receives from starts a new group,
+/// posted once the receives before it are finished: whatever follows a message (a new layout,
+/// a failure) is then the next thing this rank receives from its sender.
+std::vector<std::vector<size_t>> p2p_groups(const std::vector<Action>& list,
+                                            const Schedule& schedule);
 
 /// The index, in a rank's action list, of one local stage's last BW, B and W (SIZE_MAX where it
 /// has none).
@@ -70,6 +80,9 @@ struct ActionPlan {
   std::vector<Route> routes;
   /// The indices of the receives, in order (posted ahead a few at a time).
   std::vector<size_t> receives;
+  /// Under NCCL's rules: each group of sends and receives (p2p_groups), by the index of the
+  /// action that posts it (its first in `actions`).
+  std::map<size_t, std::vector<size_t>> groups;
   /// sends_released_by for this list.
   std::map<size_t, std::vector<size_t>> sends_released_by;
   /// Per local stage (stage / num_ranks): its last backwards.

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "torch_mp/agreement.h"
+#include "torch_mp/comm.h"
 
 namespace torch_mp::pipeline {
 namespace {
@@ -30,14 +31,23 @@ std::string where(int64_t rank, const Action& a) {
   return out.str();
 }
 
-// The device of the first stage with parameters (CPU without any).
-at::Device device_of(const std::vector<Stage>& stages) {
+// The device of the first stage with parameters (the group's without any).
+at::Device device_of(const std::vector<Stage>& stages, const GroupPtr& group) {
   for (const auto& stage : stages) {
     if (!stage.parameters.empty()) {
       return stage.parameters[0].device();
     }
   }
-  return at::kCPU;
+  return torch_mp::device_of(group);
+}
+
+// Evaluation's schedule: the forward half of every list (under NCCL's rules, made safe again).
+Schedule forward_schedule(const Schedule& schedule, bool ordered) {
+  Schedule forward = schedule;
+  for (auto& list : forward.actions) {
+    list = forward_only(list);
+  }
+  return ordered ? make_nccl_safe(std::move(forward)) : forward;
 }
 
 }  // namespace
@@ -46,13 +56,18 @@ Executor::Executor(Schedule schedule, std::vector<Stage> stages, LossFn loss, Gr
     : schedule_(std::move(schedule)), stages_(std::move(stages)), loss_(std::move(loss)) {
   TORCH_CHECK(group, "Pipeline: no pipeline process group");
   rank_ = group->getRank();
+  mailbox_.device = device_of(stages_, group);
+  mailbox_.ordered = is_nccl(group) || check_collectives();
   mailbox_.group = std::move(group);
   check_fits();
-  simulate(schedule_);  // raises, naming rank, step and action, if the schedule cannot run
+  if (mailbox_.ordered) {
+    schedule_ = make_nccl_safe(std::move(schedule_));
+  }
+  // Raises, naming rank, step and action, if the schedule cannot run.
+  simulate(schedule_, {}, mailbox_.ordered ? CommSemantics::kNccl : CommSemantics::kGloo);
   mailbox_.agree_on_pipeline_id();
   training_ = plan_actions(schedule_, rank_, /*train=*/true);
-  evaluation_ = plan_actions(schedule_, rank_, /*train=*/false);
-  mailbox_.device = device_of(stages_);
+  evaluation_ = plan_actions(forward_schedule(schedule_, mailbox_.ordered), rank_, /*train=*/false);
   mailbox_.messages_per_step = 2 * schedule_.num_stages * schedule_.num_microbatches;
 }
 
@@ -64,12 +79,9 @@ void Executor::check_fits() const {
             << ", num_microbatches=" << schedule_.num_microbatches
             << ", stages_per_rank=" << schedule_.stages_per_rank << ", actions digest "
             << (std::hash<std::string>{}(schedule_.to_string()) % 1000000007) << ") with "
-            << stages_.size() << " stage module(s) per rank";
+            << stages_.size() << " stage module(s) per rank"
+            << (mailbox_.ordered ? ", under NCCL's rules" : ", under Gloo's rules");
   comm::check_same_text_across_ranks(described.str(), group, "Pipeline: the pipeline");
-  // Sends and receives are posted one tensor at a time and may cross between two ranks: fine
-  // for Gloo, but NCCL needs them grouped, which is not built yet.
-  TORCH_CHECK(group->getBackendType() != c10d::ProcessGroup::BackendType::NCCL,
-              "Pipeline: NCCL pipeline groups are not supported yet; use a Gloo group");
   TORCH_CHECK(schedule_.num_ranks() == group->getSize(),
               "Pipeline: the schedule is for ",
               schedule_.num_ranks(),
@@ -113,6 +125,7 @@ std::optional<at::Tensor> Executor::run(const ActionPlan& plan, const StepArgume
     }
     for (; index < plan.actions.size(); ++index) {
       const double began = seconds_since(start);
+      post_group(plan, index);
       execute(plan, index, args);
       step_.trace.push_back({rank_, plan.actions[index], began, seconds_since(start)});
     }
@@ -185,6 +198,12 @@ void Executor::receive(const ActionPlan& plan, size_t index, Slot& slot, bool tr
 }
 
 void Executor::send(const ActionPlan& plan, size_t index, Slot& slot) {
+  if (!mailbox_.ordered) {
+    post_send(plan, index, slot);
+  }  // else posted with its group
+}
+
+void Executor::post_send(const ActionPlan& plan, size_t index, Slot& slot) {
   const bool forward = plan.actions[index].kind == ActionKind::kSendForward;
   auto works = mailbox_.send(plan.routes[index], forward ? slot.outputs : slot.input_grads);
   for (auto& work : works) {
@@ -232,11 +251,40 @@ void Executor::weight(const Action& a, size_t index, Slot& slot) {
 }
 
 void Executor::post_next_recv(const ActionPlan& plan) {
-  if (step_.next_recv >= plan.receives.size()) {
-    return;
+  if (mailbox_.ordered || step_.next_recv >= plan.receives.size()) {
+    return;  // under NCCL's rules, receives are posted with their group
   }
   const size_t index = plan.receives[step_.next_recv++];
   step_.posted_recvs.emplace(index, mailbox_.post(plan.routes[index]));
+}
+
+void Executor::post_group(const ActionPlan& plan, size_t index) {
+  const auto group = plan.groups.find(index);
+  if (!mailbox_.ordered || group == plan.groups.end()) {
+    return;
+  }
+  const auto& members = group->second;
+  const size_t first_send = step_.pending_sends.size();
+  comm::P2PGroup batch(mailbox_.group);
+  for (size_t i : members) {
+    const Action& a = plan.actions[i];
+    if (is_send(a)) {
+      post_send(plan, i, step_.slots[{a.stage, a.microbatch}]);
+    } else {
+      step_.posted_recvs.emplace(i, mailbox_.post(plan.routes[i]));
+    }
+    step_.posted_until = std::max(step_.posted_until, i + 1);
+  }
+  if (const auto work = batch.finish()) {  // NCCL: the group's work stands for each of its own
+    for (size_t k = first_send; k < step_.pending_sends.size(); ++k) {
+      step_.pending_sends[k].first = work;
+    }
+    for (size_t i : members) {
+      if (is_recv(plan.actions[i])) {
+        step_.posted_recvs.at(i).work = work;
+      }
+    }
+  }
 }
 
 void Executor::release_sends(const ActionPlan& plan, size_t index) {

@@ -34,6 +34,12 @@ namespace torch_mp::pipeline {
 /// step; each micro-batch's loss is divided by the number of micro-batches, so the accumulated
 /// parameter gradients equal those of the whole batch's mean loss.
 ///
+/// Under NCCL's rules (an NCCL group, or any group with TORCH_MP_CHECK_COLLECTIVES=1, so that a
+/// Gloo run shows what NCCL would do), the schedule is first made NCCL-safe (make_nccl_safe) and
+/// proved to run under CommSemantics::kNccl, and each group of consecutive sends and receives
+/// (p2p_groups) is posted together (comm::P2PGroup) when the first of them is reached, under one
+/// tag per pair of ranks, instead of receives posted ahead and tags per message.
+///
 /// Split backward (split_backward.h): B computes the input gradients only, keeping the
 /// gradients that arrive at the nodes which also feed parameters; W restarts from those towards
 /// the parameters, so B + W do the work of one backward. On the first stage, which has no input
@@ -66,10 +72,11 @@ class Executor {
   void set_check_finite(bool on) { check_finite_ = on; }
 
   /// Makes the executor usable again after a step that failed (on any rank), over `group` (a
-  /// fresh group after a timeout or a lost connection, which leave Gloo's pairs closed; the
-  /// same one otherwise). Collective over the group: every rank calls it, whether its own step
-  /// failed or not. Messages of the failed step are never taken for the next one (the next
-  /// step's tags and stamps differ, and each channel starts over with its metadata).
+  /// fresh group after a timeout or a lost connection, which leave Gloo's pairs closed, and
+  /// always under NCCL's rules, which match messages by order alone; the same one otherwise).
+  /// Collective over the group: every rank calls it, whether its own step failed or not. Messages
+  /// of the failed step are never taken for the next one (the next step's tags and stamps differ,
+  /// and each channel starts over with its metadata).
   void reset(GroupPtr group);
 
   /// What the last step did on this rank, with wall-clock times (seconds from its start).
@@ -83,6 +90,8 @@ class Executor {
   /// This Pipeline's id, the same on every rank of its group and different for every Pipeline
   /// (and reset) the group has run.
   int64_t id() const { return mailbox_.stamp.pipeline; }
+  /// Whether it runs under NCCL's rules (see the class comment).
+  bool ordered() const { return mailbox_.ordered; }
 
  private:
   // What step() or eval_step() was given, and where eval_step collects the last stage's
@@ -102,7 +111,8 @@ class Executor {
     // posted as one is finished (so that data can arrive while the rank computes, without
     // allocating every receive of the step at its start).
     std::map<size_t, PendingRecv> posted_recvs;
-    size_t next_recv = 0;  // in ActionPlan::receives: the next receive to post
+    size_t next_recv = 0;     // in ActionPlan::receives: the next receive to post
+    size_t posted_until = 0;  // NCCL's rules: the actions before it are posted
     std::vector<at::Tensor> losses;
     std::vector<bool> sync_armed;  // per local stage: its gradient sync was armed
     std::vector<TimedAction> trace;
@@ -125,6 +135,9 @@ class Executor {
 
   // What the handlers share.
   void post_next_recv(const ActionPlan& plan);
+  // NCCL's rules: posts the group of sends and receives that starts at `index`, if one does.
+  void post_group(const ActionPlan& plan, size_t index);
+  void post_send(const ActionPlan& plan, size_t index, Slot& slot);
   // Waits for (and drops) the sends that the receive at `index` shows complete.
   void release_sends(const ActionPlan& plan, size_t index);
   void take_inputs(const Action& a, Slot& slot, const StepArguments& args);

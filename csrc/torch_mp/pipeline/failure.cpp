@@ -71,9 +71,11 @@ constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
 
 int64_t first_failed_rank(const std::optional<PeerFailure>& failure,
                           const GroupPtr& group,
-                          int64_t rank) {
+                          int64_t rank,
+                          at::Device device) {
   try {
-    return comm::all_reduce(at::scalar_tensor(failure ? failure->origin : kNone, at::kLong),
+    return comm::all_reduce(at::scalar_tensor(failure ? failure->origin : kNone,
+                                              at::TensorOptions(at::kLong).device(device)),
                             group,
                             c10d::ReduceOp::MIN)
         .item<int64_t>();
@@ -157,6 +159,9 @@ FailureMarkers send_failure_markers(const PeerFailure& failure,
       continue;
     }
     const Route& route = plan.routes[j];
+    if (mailbox.ordered && markers.first_by_peer.count(route.peer)) {
+      continue;
+    }
     try {
       auto works = mailbox.send_failure(route, failure);
       markers.first_by_peer.emplace(route.peer, works);
@@ -191,7 +196,7 @@ void agree_on_step(const std::optional<PeerFailure>& failure,
                    const GroupPtr& group,
                    int64_t rank,
                    at::Device device) {
-  const int64_t first = first_failed_rank(failure, group, rank);
+  const int64_t first = first_failed_rank(failure, group, rank, device);
   if (first == kNone) {
     return;
   }
@@ -228,7 +233,8 @@ void raise_failure(const PeerFailure& failure, const ActionPlan& plan, size_t in
 
 void Executor::fail(const ActionPlan& plan, size_t index, const PeerFailure& failure) {
   // Every message still owed becomes a failure marker: the peers waiting for them raise now.
-  auto markers = send_failure_markers(failure, plan, index, mailbox_);
+  // (Under NCCL's rules the sends of the group posted last have left already.)
+  auto markers = send_failure_markers(failure, plan, std::max(index, step_.posted_until), mailbox_);
   orphans_.works.insert(orphans_.works.end(), markers.works.begin(), markers.works.end());
   if (failure.group_broken) {
     let_first_markers_leave(markers, plan, index);
@@ -257,6 +263,13 @@ void Executor::abandon_in_flight() {
 }
 
 void Executor::reset(GroupPtr group) {
+  TORCH_CHECK(!(broken_ && mailbox_.ordered && (!group || group == mailbox_.group)),
+              "Pipeline.reset: rank ",
+              rank_,
+              " runs its pipeline under NCCL's rules (an NCCL group, or "
+              "TORCH_MP_CHECK_COLLECTIVES=1), where messages between two ranks are matched by "
+              "order alone: a failed step can leave some queued, which the next step would take. "
+              "Pass a fresh group (and, under NCCL, abort the old one)");
   if (group && group != mailbox_.group) {
     const GroupPtr& old = mailbox_.group;
     TORCH_CHECK(group->getSize() == old->getSize() && group->getRank() == old->getRank(),

@@ -49,7 +49,9 @@ struct FailureMarkers {
 };
 
 /// Sends `failure` in place of every message that `plan.actions` sends from `index` on, so that
-/// the peers waiting for them raise at once. A peer whose connection is gone is not told.
+/// the peers waiting for them raise at once. A peer whose connection is gone is not told. Under
+/// NCCL's rules (mailbox.ordered) only in place of the first message to each peer: the one its
+/// next receive from this rank takes (later ones would wait in the pair's queue, unmatched).
 FailureMarkers send_failure_markers(const PeerFailure& failure,
                                     const ActionPlan& plan,
                                     size_t index,

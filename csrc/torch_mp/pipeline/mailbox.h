@@ -4,6 +4,8 @@
 //
 // Messages are bound to their Pipeline and step (the stamp, and each (pipeline, step) its own
 // range of tags), so that a message left over from a failed step is never taken for a new one.
+// Under NCCL's rules (`ordered`) every message has the same tag and the stamp alone tells them
+// apart: a message taken by the wrong receive is refused, not read.
 
 #include <ATen/core/Tensor.h>
 
@@ -27,15 +29,19 @@ struct Mailbox {
   /// The number of messages of a step (2 * num_stages * num_microbatches).
   int64_t messages_per_step = 1;
   /// The running step: its Pipeline's id, the same on every rank of the group and different for
-  /// every Pipeline (and reset) the group has run, and its number.
+  /// every Pipeline (and reset) the group has run, and its number (`message` unused).
   MessageStamp stamp;
+  /// NCCL's rules: one tag for every message, matched in the order sent (Tags::ordered).
+  bool ordered = false;
   /// What this rank last sent through each message's channel, by message number.
   std::map<int64_t, Channel> send_channels;
   /// What this rank last received through each message's channel, by message number.
   std::map<int64_t, Channel> recv_channels;
 
-  /// The first of the tags of `message` in the running step.
-  int tag(int64_t message) const;
+  /// The tags of `message` in the running step.
+  Tags tags(int64_t message) const;
+  /// The stamp of `message` in the running step.
+  MessageStamp stamp_of(int64_t message) const { return {stamp.pipeline, stamp.step, message}; }
   /// Sends `tensors` along `route`; returns the pending works.
   std::vector<c10::intrusive_ptr<c10d::Work>> send(const Route& route,
                                                    const std::vector<at::Tensor>& tensors);

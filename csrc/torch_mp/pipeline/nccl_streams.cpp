@@ -46,9 +46,9 @@ void NcclStreams::post(
 bool NcclStreams::startable(const Op& op) const {
   // Everything this rank posted to the same peer before, outside op's group, has completed.
   const auto& stream = streams_.at({op.rank, peer_of(op)});
-  for (size_t id : stream) {
+  for (size_t id : stream) {  // in posting order
     const Op& earlier = ops_[id];
-    if (earlier.index >= op.index) {
+    if (&earlier == &op) {
       break;
     }
     if (earlier.group != op.group && !earlier.done) {

@@ -5,22 +5,28 @@
 
 #include <cstring>
 
+#include "torch_mp/agreement.h"
+
 namespace torch_mp::pipeline {
 namespace {
 
-// Metadata layout (int64): [pipeline, step, count, then per tensor: dtype, ndim, size_0 ..
-// size_{ndim-1}].
-constexpr int64_t kMaxDims = 8;
-constexpr int64_t kMetadataLength = 3 + kMaxTensorsPerMessage * (2 + kMaxDims);
+using comm::check_device;
 
-// Data message: a header of kHeaderBytes (int64: pipeline, step, flag), then the tensors, each
-// starting at a multiple of kAlign bytes.
+// Metadata layout (int64): [pipeline, step, message, count, then per tensor: dtype, ndim,
+// size_0 .. size_{ndim-1}].
+constexpr int64_t kMaxDims = 8;
+constexpr int64_t kStampLength = 3;
+constexpr int64_t kCount = kStampLength;  // where the count sits
+constexpr int64_t kMetadataLength = kStampLength + 1 + kMaxTensorsPerMessage * (2 + kMaxDims);
+
+// Data message: a header of kHeaderBytes (int64: pipeline, step, message, flag), then the
+// tensors, each starting at a multiple of kAlign bytes.
 constexpr int64_t kAlign = 64;
 constexpr int64_t kHeaderBytes = kAlign;
 enum Flag : int64_t {
   kData = 1,     // the tensors follow, in the layout the channel last passed
-  kChanged = 2,  // the layout changed: metadata (tag) and data (tag + 2) follow
-  kFailed = 3,   // the sender's step failed: what failed follows (tag + 3)
+  kChanged = 2,  // the layout changed: metadata (part 0) and data (part 2) follow
+  kFailed = 3,   // the sender's step failed: what failed follows (part 3)
 };
 // A metadata message with this count is a failure marker.
 constexpr int64_t kFailedCount = -1;
@@ -43,6 +49,7 @@ at::Tensor encode(const MessageLayout& layout, MessageStamp stamp) {
   int64_t i = 0;
   out[i++] = stamp.pipeline;
   out[i++] = stamp.step;
+  out[i++] = stamp.message;
   out[i++] = static_cast<int64_t>(layout.dtypes.size());
   for (size_t n = 0; n < layout.dtypes.size(); ++n) {
     out[i++] = static_cast<int64_t>(layout.dtypes[n]);
@@ -54,7 +61,20 @@ at::Tensor encode(const MessageLayout& layout, MessageStamp stamp) {
   return metadata;
 }
 
+MessageStamp stamp_in(const int64_t* in) { return {in[0], in[1], in[2]}; }
+
 void check_stamp(MessageStamp got, MessageStamp expected, const std::string& what) {
+  TORCH_CHECK(got.pipeline != expected.pipeline || got.step != expected.step ||
+                  got.message == expected.message,
+              "torch_mp.pipeline: ",
+              what,
+              " received message ",
+              got.message,
+              " where it expected message ",
+              expected.message,
+              " of the step: its sender's sends and this rank's receives come in different "
+              "orders (NCCL, matching them by order alone, would have delivered it here too); "
+              "refused");
   TORCH_CHECK(got.pipeline == expected.pipeline && got.step == expected.step,
               "torch_mp.pipeline: ",
               what,
@@ -70,10 +90,14 @@ void check_stamp(MessageStamp got, MessageStamp expected, const std::string& wha
 }
 
 // Receives what failed (sent by send_failure) and raises it as PeerFailure.
-[[noreturn]] void raise_peer_failure(int peer, int tag, const GroupPtr& group) {
-  auto buffer = at::empty({kFailureBytes}, at::kByte);
-  std::vector<at::Tensor> one{buffer};
-  group->recv(one, peer, tag + 3)->wait();
+[[noreturn]] void raise_peer_failure(int peer,
+                                     Tags tags,
+                                     const GroupPtr& group,
+                                     at::Device device) {
+  std::vector<at::Tensor> one{
+      at::empty({kFailureBytes}, at::TensorOptions(at::kByte).device(device))};
+  group->recv(one, peer, tags(3))->wait();
+  const auto buffer = one[0].cpu();
   const auto* bytes = buffer.data_ptr<uint8_t>();
   int64_t header[2];
   std::memcpy(header, bytes, sizeof(header));
@@ -84,8 +108,8 @@ void check_stamp(MessageStamp got, MessageStamp expected, const std::string& wha
 
 MessageLayout decode(const at::Tensor& metadata, MessageStamp expected, const std::string& what) {
   const auto* in = metadata.data_ptr<int64_t>();
-  check_stamp({in[0], in[1]}, expected, what);
-  int64_t i = 2;
+  check_stamp(stamp_in(in), expected, what);
+  int64_t i = kCount;
   const int64_t count = in[i++];
   TORCH_CHECK(count >= 0 && count <= kMaxTensorsPerMessage,
               "torch_mp.pipeline: received malformed tensor metadata (count ",
@@ -115,16 +139,16 @@ at::Tensor packed_buffer(int64_t bytes, MessageStamp stamp, Flag flag, at::Devic
   const auto options = at::TensorOptions(at::kByte).device(device);
   // A marker carries nothing after its header: zeros rather than whatever memory held.
   auto buffer = flag == kData ? at::empty({bytes}, options) : at::zeros({bytes}, options);
-  const auto header =
-      at::tensor({stamp.pipeline, stamp.step, static_cast<int64_t>(flag)}, at::kLong);
+  const auto header = at::tensor(
+      {stamp.pipeline, stamp.step, stamp.message, static_cast<int64_t>(flag)}, at::kLong);
   buffer.narrow(0, 0, header.nbytes()).copy_(header.view(at::kByte));
   return buffer;
 }
 
 Header header_of(const at::Tensor& buffer) {
-  const auto header = buffer.narrow(0, 0, 3 * sizeof(int64_t)).cpu().view(at::kLong);
+  const auto header = buffer.narrow(0, 0, 4 * sizeof(int64_t)).cpu().view(at::kLong);
   const auto* in = header.data_ptr<int64_t>();
-  return {{in[0], in[1]}, in[2]};
+  return {stamp_in(in), in[3]};
 }
 
 // The tensors of `layout` as views of `buffer`'s bytes after the header.
@@ -144,11 +168,13 @@ c10::intrusive_ptr<c10d::Work> send_one(at::Tensor tensor,
                                         int peer,
                                         int tag,
                                         const GroupPtr& group) {
+  check_device(tensor, group, "torch_mp.pipeline send");
   std::vector<at::Tensor> one{std::move(tensor)};
   return group->send(one, peer, tag);
 }
 
 at::Tensor recv_one(at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
+  check_device(tensor, group, "torch_mp.pipeline receive");
   std::vector<at::Tensor> one{tensor};
   group->recv(one, peer, tag)->wait();
   return tensor;
@@ -186,24 +212,24 @@ int64_t MessageLayout::packed_bytes() const {
 
 std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::Tensor>& tensors,
                                                          int peer,
-                                                         int tag,
+                                                         Tags tags,
                                                          const GroupPtr& group,
                                                          MessageStamp stamp,
                                                          Channel& channel) {
   const at::Device device = tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
   auto layout = MessageLayout::of(tensors);
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  int data_tag = tag + 1;
+  int data_tag = tags(1);
   if (!channel.layout || !(*channel.layout == layout)) {
     if (channel.layout) {  // the receiver waits for a message of the old size: say it changed
       works.push_back(
           send_one(packed_buffer(channel.layout->packed_bytes(), stamp, kChanged, device),
                    peer,
-                   tag + 1,
+                   tags(1),
                    group));
-      data_tag = tag + 2;
+      data_tag = tags(2);
     }
-    works.push_back(send_one(encode(layout, stamp).to(device), peer, tag, group));
+    works.push_back(send_one(encode(layout, stamp).to(device), peer, tags(0), group));
   }
   auto buffer = packed_buffer(layout.packed_bytes(), stamp, kData, device);
   const auto targets = views(buffer, layout);
@@ -217,7 +243,7 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::T
 
 std::vector<c10::intrusive_ptr<c10d::Work>> send_failure(const PeerFailure& failure,
                                                          int peer,
-                                                         int tag,
+                                                         Tags tags,
                                                          const GroupPtr& group,
                                                          MessageStamp stamp,
                                                          const Channel& channel,
@@ -226,14 +252,15 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_failure(const PeerFailure& fail
   if (channel.layout) {  // the receiver waits for data of the channel's size
     works.push_back(send_one(packed_buffer(channel.layout->packed_bytes(), stamp, kFailed, device),
                              peer,
-                             tag + 1,
+                             tags(1),
                              group));
   } else {  // for metadata
     auto marker = at::zeros({kMetadataLength}, at::kLong);
     marker[0] = stamp.pipeline;
     marker[1] = stamp.step;
-    marker[2] = kFailedCount;
-    works.push_back(send_one(marker.to(device), peer, tag, group));
+    marker[2] = stamp.message;
+    marker[kCount] = kFailedCount;
+    works.push_back(send_one(marker.to(device), peer, tags(0), group));
   }
   auto text = at::zeros({kFailureBytes}, at::kByte);
   auto* bytes = text.data_ptr<uint8_t>();
@@ -243,19 +270,20 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_failure(const PeerFailure& fail
   std::memcpy(bytes + sizeof(header),
               message.data(),
               std::min<size_t>(message.size(), kFailureBytes - sizeof(header) - 1));
-  works.push_back(send_one(text, peer, tag + 3, group));
+  works.push_back(send_one(text.to(device), peer, tags(3), group));
   return works;
 }
 
 PendingRecv post_recv(
-    int peer, int tag, const GroupPtr& group, at::Device device, const Channel& channel) {
-  PendingRecv pending{peer, tag, channel.layout.has_value(), {}, {}};
+    int peer, Tags tags, const GroupPtr& group, at::Device device, const Channel& channel) {
+  PendingRecv pending{peer, tags, channel.layout.has_value(), {}, {}};
   pending.buffer =
       channel.layout
           ? at::empty({channel.layout->packed_bytes()}, at::TensorOptions(at::kByte).device(device))
           : at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device));
+  check_device(pending.buffer, group, "torch_mp.pipeline receive");
   std::vector<at::Tensor> one{pending.buffer};
-  pending.work = group->recv(one, peer, pending.expects_data ? tag + 1 : tag);
+  pending.work = group->recv(one, peer, tags(pending.expects_data ? 1 : 0));
   return pending;
 }
 
@@ -266,13 +294,13 @@ std::vector<at::Tensor> finish_recv(PendingRecv& pending,
                                     const std::string& what,
                                     Channel& channel) {
   pending.work->wait();
-  int data_tag = pending.tag + 1;
+  int data_tag = pending.tags(1);
   at::Tensor metadata;
   if (pending.expects_data) {
     const Header header = header_of(pending.buffer);
     check_stamp(header.stamp, expected, what);
     if (header.flag == kFailed) {
-      raise_peer_failure(pending.peer, pending.tag, group);
+      raise_peer_failure(pending.peer, pending.tags, group, device);
     }
     TORCH_CHECK(header.flag == kData || header.flag == kChanged,
                 "torch_mp.pipeline: ",
@@ -285,17 +313,16 @@ std::vector<at::Tensor> finish_recv(PendingRecv& pending,
     }
     metadata = recv_one(at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device)),
                         pending.peer,
-                        pending.tag,
+                        pending.tags(0),
                         group);
-    data_tag = pending.tag + 2;
+    data_tag = pending.tags(2);
   } else {
     metadata = pending.buffer;
   }
   const auto metadata_cpu = metadata.cpu();
-  if (metadata_cpu.data_ptr<int64_t>()[2] == kFailedCount) {
-    check_stamp(
-        {metadata_cpu.data_ptr<int64_t>()[0], metadata_cpu.data_ptr<int64_t>()[1]}, expected, what);
-    raise_peer_failure(pending.peer, pending.tag, group);
+  if (metadata_cpu.data_ptr<int64_t>()[kCount] == kFailedCount) {
+    check_stamp(stamp_in(metadata_cpu.data_ptr<int64_t>()), expected, what);
+    raise_peer_failure(pending.peer, pending.tags, group, device);
   }
   channel.layout = decode(metadata_cpu, expected, what);
   auto buffer = recv_one(

@@ -13,6 +13,12 @@
 //   changed:    marker of the old size (tag + 1) + metadata (tag) + data (tag + 2)
 //   failed:     marker where the receiver waits (tag, or tag + 1) + what failed (tag + 3)
 //
+// Under NCCL's rules (Tags::ordered) every message between two ranks has the same tag and is
+// matched in the order it is sent, which the order above keeps: each receive of a message is
+// posted after the ones before it from the same peer. Every header and metadata message carries
+// the number of the message it belongs to, so that a message that lands in a receive meant for
+// another (two ranks whose orders differ) is refused, naming both, instead of read as data.
+//
 // A rank whose step fails sends a failure marker in place of every message it still owed, so
 // that its peers, waiting for those messages, raise at once with its error instead of at the
 // group's timeout, and pass it on in turn (send_failure, PeerFailure).
@@ -37,10 +43,23 @@ constexpr int64_t kMaxTensorsPerMessage = 32;
 constexpr int kTagsPerMessage = 4;
 
 /// What a message belongs to: the pipeline instance and step that sent it, so that a message
-/// left over from an earlier (failed) step or another Pipeline is never taken for a new one.
+/// left over from an earlier (failed) step or another Pipeline is never taken for a new one, and
+/// its number in the step (message_of), so that one never lands in a receive meant for another.
 struct MessageStamp {
   int64_t pipeline = 0;
   int64_t step = 0;
+  int64_t message = 0;
+};
+
+/// The tags of one message's parts: part k under `first + stride * k`. Gloo's default gives each
+/// part its own tag (stride 1); NCCL ignores tags, and a pipeline run under its rules uses one
+/// tag for every message (`ordered`), so that Gloo, too, matches them by order alone.
+struct Tags {
+  int first = 0;
+  int stride = 1;
+
+  static Tags ordered() { return {0, 0}; }
+  int operator()(int part) const { return first + stride * part; }
 };
 
 /// The dtypes and shapes of a message's tensors, as both ends of a channel remember them.
@@ -70,21 +89,22 @@ struct PeerFailure : std::runtime_error {
   bool group_broken;
 };
 
-/// Sends `tensors` to rank `peer` of `group` under tags starting at `tag`, stamped with `stamp`;
-/// metadata only if `channel` has not passed this layout last. Returns the pending works.
+/// Sends `tensors` to rank `peer` of `group` under `tags`, stamped with `stamp`; metadata only if
+/// `channel` has not passed this layout last. Returns the pending works (null inside an NCCL
+/// group: the group's work covers them, comm::P2PGroup).
 std::vector<c10::intrusive_ptr<c10d::Work>> send_tensors(const std::vector<at::Tensor>& tensors,
                                                          int peer,
-                                                         int tag,
+                                                         Tags tags,
                                                          const GroupPtr& group,
                                                          MessageStamp stamp,
                                                          Channel& channel);
 
-/// Sends, in place of the message `channel` would carry under `tag`, a failure marker and
+/// Sends, in place of the message `channel` would carry under `tags`, a failure marker and
 /// `failure` (the error, where it began and whether the group is still usable), so that the
 /// receive waiting for it raises PeerFailure. Returns the pending works (keep them alive).
 std::vector<c10::intrusive_ptr<c10d::Work>> send_failure(const PeerFailure& failure,
                                                          int peer,
-                                                         int tag,
+                                                         Tags tags,
                                                          const GroupPtr& group,
                                                          MessageStamp stamp,
                                                          const Channel& channel,
@@ -93,16 +113,17 @@ std::vector<c10::intrusive_ptr<c10d::Work>> send_failure(const PeerFailure& fail
 /// A receive posted ahead (`post_recv`), finished when its tensors are needed (`finish_recv`).
 struct PendingRecv {
   int peer = 0;
-  int tag = 0;
+  Tags tags;
   bool expects_data = false;  // the channel's layout is known: the data message is posted
   at::Tensor buffer;          // metadata or data, as posted
   c10::intrusive_ptr<c10d::Work> work;
 };
 
-/// Posts the receive of the message `peer` sends under `tag` through `channel`: its data
-/// message if the channel's layout is known, its metadata message otherwise.
+/// Posts the receive of the message `peer` sends under `tags` through `channel`: its data
+/// message if the channel's layout is known, its metadata message otherwise. (Its work is null
+/// inside an NCCL group until the group's is put in its place.)
 PendingRecv post_recv(
-    int peer, int tag, const GroupPtr& group, at::Device device, const Channel& channel);
+    int peer, Tags tags, const GroupPtr& group, at::Device device, const Channel& channel);
 
 /// Waits for `pending` and returns the tensors (views of one received buffer), updating
 /// `channel`. Raises PeerFailure if the peer sent a failure marker; raises if the metadata is

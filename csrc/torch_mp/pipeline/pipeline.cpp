@@ -159,9 +159,13 @@ void Pipeline::reset(const StorePtr& store, const std::string& key) {
   }
   TORCH_CHECK(!name.empty(), "Pipeline.reset: the key must not be empty");
   const GroupPtr& old = executor_->group();
+  const bool nccl = is_nccl(old);
   std::chrono::milliseconds timeout(30000);
   try {
-    timeout = old->getBackend(c10d::ProcessGroup::BackendType::GLOO)->getBackendOptions()->timeout;
+    timeout = old->getBackend(nccl ? c10d::ProcessGroup::BackendType::NCCL
+                                   : c10d::ProcessGroup::BackendType::GLOO)
+                  ->getBackendOptions()
+                  ->timeout;
   } catch (const std::exception&) {
     // A group without Gloo options keeps the default.
   }
@@ -171,7 +175,7 @@ void Pipeline::reset(const StorePtr& store, const std::string& key) {
   auto group = new_process_group(c10::make_intrusive<c10d::PrefixStore>(prefix, base),
                                  static_cast<int>(old->getRank()),
                                  static_cast<int>(old->getSize()),
-                                 Backend::kGloo,
+                                 nccl ? Backend::kNccl : Backend::kGloo,
                                  timeout,
                                  "pipeline_reset");
   executor_->reset(std::move(group));

@@ -84,8 +84,10 @@ class Pipeline {
   /// Checks every stage output, loss and input gradient for NaN and Inf (Executor).
   void set_check_finite(bool on) { executor_->set_check_finite(on); }
 
-  /// The schedule being run.
+  /// The schedule being run (made NCCL-safe under NCCL's rules).
   const Schedule& schedule() const { return executor_->schedule(); }
+  /// Whether it runs under NCCL's rules: an NCCL group, or TORCH_MP_CHECK_COLLECTIVES=1 (Executor).
+  bool ordered() const { return executor_->ordered(); }
   /// This rank's actions in the last step, with wall-clock times in seconds.
   const std::vector<TimedAction>& trace() const { return executor_->trace(); }
 

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "torch_mp/pipeline/action_plan.h"
 #include "torch_mp/pipeline/nccl_streams.h"
 
 namespace torch_mp::pipeline {
@@ -256,23 +257,38 @@ class Replay {
     return true;
   }
 
-  // NCCL: posts rank r's send or receive at next_[r] and, grouped, the sends and receives that
-  // follow it up to the next computation (posted once), then matches what can be matched.
+  // NCCL: posts the group of sends and receives that rank r's action at next_[r] starts, if it
+  // starts one (kNccl: p2p_groups, as the executor posts them; kNcclUngrouped: each on its own),
+  // then matches what can be matched.
   void post_sends_and_receives(int64_t r) {
     if (comm_ == CommSemantics::kGloo) {
       return;
     }
-    if (posted_[r] <= next_[r]) {
-      const auto& list = s_.actions[r];
-      size_t end = next_[r] + 1;
-      while (comm_ == CommSemantics::kNccl && end < list.size() && !is_compute(list[end].kind)) {
-        ++end;
+    if (groups_by_start_.empty()) {
+      groups_by_start_.resize(s_.num_ranks());
+      for (int64_t q = 0; q < s_.num_ranks(); ++q) {
+        const auto& list = s_.actions[q];
+        if (comm_ == CommSemantics::kNccl) {
+          for (auto& group : p2p_groups(list, s_)) {
+            const size_t first = *std::min_element(group.begin(), group.end());
+            groups_by_start_[q].emplace(first, std::move(group));
+          }
+        } else {
+          for (size_t i = 0; i < list.size(); ++i) {
+            if (!is_compute(list[i].kind)) {
+              groups_by_start_[q][i] = {i};
+            }
+          }
+        }
       }
-      const int64_t group = groups_++;
-      for (size_t i = next_[r]; i < end; ++i) {
-        streams_.post(r, i, list[i], clock_[r], group);
+    }
+    const auto group = groups_by_start_[r].find(next_[r]);
+    if (group != groups_by_start_[r].end() && posted_[r] <= next_[r]) {
+      const int64_t id = groups_++;
+      for (size_t i : group->second) {
+        streams_.post(r, i, s_.actions[r][i], clock_[r], id);
       }
-      posted_[r] = end;
+      posted_[r] = next_[r] + 1;
     }
     streams_.progress();
   }
@@ -295,11 +311,21 @@ class Replay {
                 comm_ == CommSemantics::kGloo ? "" : streams_.pending());
   }
 
+  // Every forward and backward ran; only every forward for a schedule without backward (an
+  // evaluation's, forward_schedule).
   void check_complete() const {
+    bool evaluation = true;
+    for (const auto& list : s_.actions) {
+      for (const Action& a : list) {
+        evaluation =
+            evaluation && (a.kind == ActionKind::kForward || a.kind == ActionKind::kSendForward ||
+                           a.kind == ActionKind::kRecvForward);
+      }
+    }
     for (int64_t stage = 0; stage < s_.num_stages; ++stage) {
       for (int64_t m = 0; m < s_.num_microbatches; ++m) {
         const bool forward = done({ActionKind::kForward, stage, m});
-        const bool backward = done({ActionKind::kFullBackward, stage, m}) ||
+        const bool backward = evaluation || done({ActionKind::kFullBackward, stage, m}) ||
                               (done({ActionKind::kBackwardInput, stage, m}) &&
                                done({ActionKind::kBackwardWeight, stage, m}));
         TORCH_CHECK(forward && backward,
@@ -320,7 +346,9 @@ class Replay {
   const CostModel& costs_;
   CommSemantics comm_;
   NcclStreams streams_;
-  std::vector<size_t> posted_;  // NCCL: rank r's actions before posted_[r] are posted
+  std::vector<size_t> posted_;  // NCCL: the groups starting before posted_[r] are posted
+  // NCCL: per rank, the groups of sends and receives posted together, by their first action.
+  std::vector<std::map<size_t, std::vector<size_t>>> groups_by_start_;
   int64_t groups_ = 0;
   std::vector<size_t> next_;
   std::vector<double> clock_;
