@@ -4,18 +4,25 @@
     torchrun --nproc-per-node=2 benchmarks/gpu/checks.py --nccl-only
 
 Checks (each prints OK or FAILED with the largest difference; the exit status is non-zero if any
-failed): over NCCL, on CUDA tensors, fp32 without TF32, against the dense modules on one device:
-a ColumnParallelLinear -> GELU -> RowParallelLinear MLP and a ParallelTransformerLayer (outputs and
-input gradients, rtol 1e-5 / atol 1e-5), and the fused cross-entropy kernels against the CPU
-path (loss and gradients; fp32 1e-5, bf16 1e-2). What torch_mp does not run on NCCL yet (the
-pipeline) is reported as such, not skipped silently.
+failed), over NCCL on CUDA tensors, fp32 without TF32, against the same model on one device:
+
+- a ColumnParallelLinear -> GELU -> RowParallelLinear MLP and a ParallelTransformerLayer at tp =
+  world (outputs and input gradients, 1e-5);
+- the pipeline at pp = world, every schedule (loss and every parameter gradient, 1e-5);
+- context-parallel attention at cp = world, every method, causal and load-balanced (output and
+  q/k/v gradients against SDPA on the whole sequence, 1e-5);
+- the MoE layer at ep = world (output, 1e-5);
+- one process only: the fused cross-entropy kernels against the CPU path (loss and gradients;
+  fp32 1e-5, bf16 1e-2).
 
 Then, at world size 1, the table: a GPT block (pre-LN transformer layer, hidden 4096, 32 heads,
 ffn 16384, [s=2048, b=4], bf16, forward + backward) through torch_mp at tp = 1 against
-``nn.TransformerEncoderLayer``; ``vocab_parallel_cross_entropy`` against ``F.cross_entropy``
-(8192 rows x 128256 classes, bf16, forward + backward); median of 20 timed steps after 5, CUDA
-events; TFLOP/s counted as 6 x parameters x tokens + attention's 12 x b x s^2 x h per layer
-(forward and backward, causal half not discounted).
+``nn.TransformerEncoderLayer``, with TFLOP/s and MFU against the H200's 989 dense bf16 TFLOP/s;
+``vocab_parallel_cross_entropy`` against ``F.cross_entropy`` (8192 rows x 128256 classes, bf16,
+forward + backward): time and peak memory. Median of 20 timed steps after 5, CUDA events; FLOPs
+counted as 6 x parameters x tokens + attention's 12 x b x s^2 x h per layer (forward and
+backward, causal half not discounted). With ``--out DIR`` the table is also written to
+``DIR/table.md``.
 
 Without a CUDA device it says so and exits 0.
 """
@@ -23,6 +30,7 @@ Without a CUDA device it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -36,6 +44,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch_mp  # noqa: E402
 
 failures: list[str] = []
+# The backend of the checks' groups (Gloo with --cpu).
+BACKEND = "nccl"
+# The H200's dense bf16 peak (NVIDIA's figure, without sparsity), for MFU.
+PEAK_TFLOPS = 989
 
 
 def report(name: str, difference: float, tolerance: float) -> None:
@@ -44,7 +56,8 @@ def report(name: str, difference: float, tolerance: float) -> None:
         failures.append(name)
     if dist.get_rank() == 0:
         print(
-            f"{'OK' if ok else 'FAILED'}: {name}: max |diff| {difference:.2e} (<= {tolerance:.0e})"
+            f"{'OK' if ok else 'FAILED'}: {name} ({BACKEND}, world {dist.get_world_size()}): "
+            f"max |diff| {difference:.2e} (<= {tolerance:.0e})"
         )
 
 
@@ -65,13 +78,13 @@ def check_layers(device: torch.device) -> None:
     dense(x).square().sum().backward()
     out = mlp(y)
     out.square().sum().backward()
-    report("MLP over NCCL: output", worst(out, dense(x)), 1e-5)
-    report("MLP over NCCL: input gradient", worst(y.grad, x.grad), 1e-5)
+    report("MLP output", worst(out, dense(x)), 1e-5)
+    report("MLP input gradient", worst(y.grad, x.grad), 1e-5)
 
     layer = nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, norm_first=True).to(device)
     parallel = torch_mp.ParallelTransformerLayer.from_dense(layer)
     x = torch.randn(32, 4, 256, device=device)
-    report("transformer layer over NCCL", worst(parallel(x, is_causal=True),
+    report("transformer layer", worst(parallel(x, is_causal=True),
                                                 layer(x, src_mask=causal(32, device),
                                                       is_causal=True)), 1e-5)  # fmt: skip
 
@@ -101,15 +114,60 @@ def check_cross_entropy(device: torch.device) -> None:
         report(f"fused cross-entropy {dtype}: gradient", worst(cuda_grad, cpu_grad), tolerance)
 
 
-def check_pipeline() -> None:
-    stage = nn.Linear(8, 8).cuda()
-    try:
-        torch_mp.pipeline.Pipeline([stage], "1f1b", 2, loss_fn=lambda y, t: y.sum())
-        if dist.get_rank() == 0:
-            print("pipeline over NCCL: accepted (run its exactness test)")
-    except Exception as e:  # the refusal the GPU issue is to remove
-        if dist.get_rank() == 0:
-            print(f"NOT YET: pipeline over NCCL: {type(e).__name__}: {str(e).splitlines()[0]}")
+def check_pipeline(device: torch.device, world: int) -> None:
+    mesh = torch_mp.init(pp=world, backend=BACKEND)
+    rank = dist.get_rank()
+    for name, spr in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1),
+                      ("interleaved_zb", 2), ("zbv", 2)):  # fmt: skip
+        torch.manual_seed(0)
+        stages = [nn.Sequential(nn.Linear(64, 64), nn.Tanh()).to(device)
+                  for _ in range(world * spr)]  # fmt: skip
+        reference = nn.Sequential(*[copy.deepcopy(s) for s in stages])
+        m = 2 * world * spr
+        x = torch.randn(4 * m, 64, device=device)
+        y = torch.randn(4 * m, 64, device=device)
+        F.mse_loss(reference(x), y).backward()
+        schedule = torch_mp.pipeline.schedule(name, world * spr, m, spr)
+        indices = schedule.stages_of_rank(rank)
+        mine = [stages[i] for i in indices]
+        pipe = torch_mp.pipeline.Pipeline(mine, schedule, loss_fn=F.mse_loss, mesh=mesh)
+        pipe.step(x if 0 in indices else None, target=y if len(stages) - 1 in indices else None)
+        difference = max(worst(p.grad, r.grad) for i, stage in zip(indices, mine, strict=True)
+                         for p, r in zip(stage.parameters(), reference[i].parameters(),
+                                         strict=True))  # fmt: skip
+        report(f"pipeline, {name}: gradients", difference, 1e-5)
+
+
+def check_context_parallel(device: torch.device, world: int) -> None:
+    torch_mp.init(cp=world, backend=BACKEND)
+    cp = torch_mp.context_parallel
+    torch.manual_seed(3)
+    q, k, v, g = (torch.randn(2, 4, 16 * world, 32, device=device) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    expected.backward(g)
+
+    def part(t):
+        return cp.shard_sequence(t, 2, load_balance=True)
+
+    for method in cp.METHODS:
+        mine = [part(t).detach().requires_grad_() for t in (q, k, v)]
+        out = cp.attention(*mine, is_causal=True, method=method, load_balance=True)
+        out.backward(part(g))
+        difference = max([worst(out, part(expected))] + [worst(t.grad, part(w.grad))
+                         for t, w in zip(mine, leaves, strict=True)])  # fmt: skip
+        report(f"context-parallel attention, {method}", difference, 1e-5)
+
+
+def check_moe(device: torch.device, world: int) -> None:
+    torch_mp.init(ep=world, dp=world, backend=BACKEND)
+    torch.manual_seed(4)
+    reference = torch_mp.dense.MoE(64, 128, 4 * world, top_k=2).to(device)
+    parallel = torch_mp.moe.MoE.from_dense(reference)
+    x = torch.randn(2, 8, 64, device=device)
+    y, _ = parallel(x)
+    want, _ = reference(x)
+    report("MoE output", worst(y, want), 1e-5)
 
 
 def cuda_time(fn, steps: int = 20, warmup: int = 5) -> float:
@@ -126,7 +184,7 @@ def cuda_time(fn, steps: int = 20, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def table(device: torch.device) -> None:
+def table(device: torch.device) -> list[str]:
     h, heads, ffn, s, b = 4096, 32, 16384, 2048, 4
     torch.manual_seed(2)
     dense = nn.TransformerEncoderLayer(h, heads, ffn, dropout=0.0, norm_first=True,
@@ -159,21 +217,52 @@ def table(device: torch.device) -> None:
 
     rows.append(("cross-entropy fwd+bwd (vocab_parallel / F.cross_entropy)", cuda_time(ours_ce),
                  cuda_time(torch_ce), None))  # fmt: skip
-    print(f"\n{torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16")
-    print("| case | torch_mp ms | PyTorch ms | torch_mp / PyTorch | torch_mp TFLOP/s |")
-    print("|---|---|---|---|---|")
+    peaks = [peak_memory(fn) for fn in (ours_ce, torch_ce)]
+    lines = [
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16",
+        "",
+        "| case | torch_mp ms | PyTorch ms | torch_mp / PyTorch | torch_mp TFLOP/s | MFU |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, ours_s, theirs_s, n in rows:
-        rate = f"{n / ours_s / 1e12:.0f}" if n else "-"
-        times = f"{ours_s * 1e3:.2f} | {theirs_s * 1e3:.2f} | {ours_s / theirs_s:.2f}"
-        print(f"| {name} | {times} | {rate} |")
+        rate = n / ours_s / 1e12 if n else None
+        speed = f"{rate:.0f} | {rate / PEAK_TFLOPS:.0%}" if rate else "- | -"
+        lines.append(
+            f"| {name} | {ours_s * 1e3:.2f} | {theirs_s * 1e3:.2f} | {ours_s / theirs_s:.2f} | {speed} |"
+        )
+    lines.append("")
+    lines.append(f"cross-entropy peak memory above the logits and their gradient: torch_mp "
+                 f"{peaks[0] / 2**20:.0f} MiB, F.cross_entropy {peaks[1] / 2**20:.0f} MiB")  # fmt: skip
+    return lines
+
+
+def peak_memory(fn) -> int:
+    """Bytes `fn` allocates at its peak beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nccl-only", action="store_true", help="only the NCCL exactness checks")
+    parser.add_argument("--out", default=None, help="a folder to write the table to (table.md)")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the exactness checks on the CPU over Gloo, without the kernels and the table "
+        "(what a machine without a GPU can run of this script)",
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("skipped: no CUDA device here (the GPU checks and the table need one)")
+    global BACKEND
+    if args.cpu:
+        BACKEND = "gloo"
+    elif not torch.cuda.is_available():
+        print("skipped: no CUDA device here (the GPU checks and the table need one; --cpu runs "
+              "the exactness checks over Gloo)")  # fmt: skip
         return 0
     if "RANK" not in os.environ:  # one process: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29581", RANK="0",
@@ -181,14 +270,26 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     world = int(os.environ["WORLD_SIZE"])
-    torch_mp.init(tp=world, backend="nccl")
-    device = torch.device("cuda", torch.cuda.current_device())
-    check_layers(device)
-    if not args.nccl_only:
+    torch_mp.init(tp=world, backend=BACKEND)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+    for check in (check_layers, check_pipeline, check_context_parallel, check_moe):
+        try:
+            check(device) if check is check_layers else check(device, world)
+        except Exception as e:  # one failing check must not hide the others
+            failures.append(check.__name__)
+            if dist.get_rank() == 0:
+                print(f"FAILED: {check.__name__}: {type(e).__name__}: {e}")
+    if args.cpu:
+        if dist.get_rank() == 0:
+            print("skipped on the CPU: the fused CUDA kernels and the table")
+    elif not args.nccl_only:
         check_cross_entropy(device)
-        check_pipeline()
         if world == 1:
-            table(device)
+            lines = table(device)
+            print("\n" + "\n".join(lines))
+            if args.out:
+                with open(os.path.join(args.out, "table.md"), "w") as f:
+                    f.write("\n".join(lines) + "\n")
     dist.destroy_process_group()
     return 1 if failures else 0
 

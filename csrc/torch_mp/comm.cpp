@@ -141,18 +141,21 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const GroupPtr& group, con
   wait_for(work, group, op);
 }
 
+namespace {
+// The P2PGroup open on this thread, if any.
+thread_local P2PGroup* open_group = nullptr;
+}  // namespace
+
 P2PGroup::P2PGroup(GroupPtr group) : group_(std::move(group)), open_(is_nccl(group_)) {
   if (open_) {
-    group_->startCoalescing(c10::DeviceType::CUDA);
+    enclosing_ = open_group;
+    open_group = this;
   }
 }
 
 P2PGroup::~P2PGroup() {
-  if (open_) {
-    try {
-      finish();
-    } catch (...) {  // NOLINT(bugprone-empty-catch): an exception is already on its way
-    }
+  if (open_) {  // an exception between the posts: nothing of the group is posted
+    open_group = enclosing_;
   }
 }
 
@@ -161,7 +164,44 @@ c10::intrusive_ptr<c10d::Work> P2PGroup::finish() {
     return {};
   }
   open_ = false;
+  open_group = enclosing_;
+  group_->startCoalescing(c10::DeviceType::CUDA);
+  try {
+    for (auto& op : ops_) {
+      std::vector<at::Tensor> one{op.tensor};
+      if (op.send) {
+        group_->send(one, op.peer, op.tag);
+      } else {
+        group_->recv(one, op.peer, op.tag);
+      }
+    }
+  } catch (...) {
+    group_->endCoalescing(c10::DeviceType::CUDA);
+    throw;
+  }
+  for (auto& op : ops_) {
+    posted_.push_back(std::move(op.tensor));
+  }
+  ops_.clear();
   return group_->endCoalescing(c10::DeviceType::CUDA);
+}
+
+c10::intrusive_ptr<c10d::Work> send(at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
+  if (open_group && open_group->group_ == group) {
+    open_group->ops_.push_back({true, std::move(tensor), peer, tag});
+    return {};
+  }
+  std::vector<at::Tensor> one{std::move(tensor)};
+  return group->send(one, peer, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> recv(at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
+  if (open_group && open_group->group_ == group) {
+    open_group->ops_.push_back({false, std::move(tensor), peer, tag});
+    return {};
+  }
+  std::vector<at::Tensor> one{std::move(tensor)};
+  return group->recv(one, peer, tag);
 }
 
 at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group) {

@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "torch_mp/process_groups.h"
 
@@ -47,10 +48,15 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const GroupPtr& group, con
 /// send to each other then cannot each wait for a receive queued behind its own send. Elsewhere
 /// (Gloo) they are posted one after the other, every one before any is waited for.
 ///
+/// Under NCCL, comm::send and comm::recv on the group, while a P2PGroup of this thread is open,
+/// only queue their operations (and return null works): `finish` posts them all in one group,
+/// once every buffer is written, so that NCCL's stream, which waits for the compute stream when
+/// the group starts, sees each one complete.
+///
 ///   comm::P2PGroup batch(group);
-///   auto send = group->send(out, next, tag);   // null inside an NCCL group
-///   auto recv = group->recv(in, previous, tag);
-///   batch.end(send, recv);                     // the group's work in place of each
+///   auto send = comm::send(out, next, tag, group);   // null inside an NCCL group
+///   auto recv = comm::recv(in, previous, tag, group);
+///   batch.end(send, recv);                           // the group's work in place of each
 class P2PGroup {
  public:
   explicit P2PGroup(GroupPtr group);
@@ -70,11 +76,30 @@ class P2PGroup {
   }
   /// Ends the group; its work under NCCL (null elsewhere: each operation has its own).
   c10::intrusive_ptr<c10d::Work> finish();
+  /// Under NCCL, the tensors the group posted: the caller keeps them until its work completes
+  /// (on the caching allocator's terms, a buffer freed earlier could be reused under NCCL).
+  std::vector<at::Tensor> take_tensors() { return std::move(posted_); }
 
  private:
+  friend c10::intrusive_ptr<c10d::Work> send(at::Tensor, int, int, const GroupPtr&);
+  friend c10::intrusive_ptr<c10d::Work> recv(at::Tensor, int, int, const GroupPtr&);
+  struct Op {
+    bool send;
+    at::Tensor tensor;
+    int peer, tag;
+  };
   GroupPtr group_;
   bool open_ = false;
+  P2PGroup* enclosing_ = nullptr;  // the group open on this thread before this one
+  std::vector<Op> ops_;
+  std::vector<at::Tensor> posted_;
 };
+
+/// Sends `tensor` to rank `peer` of `group` under `tag` (queued in an open NCCL P2PGroup).
+c10::intrusive_ptr<c10d::Work> send(at::Tensor tensor, int peer, int tag, const GroupPtr& group);
+/// Receives into `tensor` from rank `peer` of `group` under `tag` (queued in an open NCCL
+/// P2PGroup).
+c10::intrusive_ptr<c10d::Work> recv(at::Tensor tensor, int peer, int tag, const GroupPtr& group);
 
 /// This rank's chunk along `dim` of the sum of `x` over the group.
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const GroupPtr& group);

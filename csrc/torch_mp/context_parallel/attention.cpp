@@ -332,13 +332,11 @@ struct Ring {
 
   Transfer pass(const at::Tensor& tensor, int tag) const {
     Transfer t;
-    std::vector<at::Tensor> out{tensor};
     t.received = at::empty_like(tensor);
-    std::vector<at::Tensor> in{t.received};
     comm::check_device(tensor, group, "context_parallel ring send");
     comm::P2PGroup batch(group);
-    t.send = group->send(out, static_cast<int>((rank + 1) % size), tag);
-    t.recv = group->recv(in, static_cast<int>((rank + size - 1) % size), tag);
+    t.send = comm::send(tensor, static_cast<int>((rank + 1) % size), tag, group);
+    t.recv = comm::recv(t.received, static_cast<int>((rank + size - 1) % size), tag, group);
     batch.end(t.send, t.recv);
     return t;
   }

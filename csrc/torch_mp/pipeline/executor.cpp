@@ -174,6 +174,7 @@ void Executor::execute(const ActionPlan& plan, size_t index, const StepArguments
 
 std::optional<at::Tensor> Executor::end_step() {
   step_.pending_sends.clear();
+  step_.posted_buffers.clear();
   step_.slots.clear();
   agree_on_step(std::nullopt, mailbox_.group, rank_, mailbox_.device);
   broken_ = false;
@@ -275,7 +276,11 @@ void Executor::post_group(const ActionPlan& plan, size_t index) {
     }
     step_.posted_until = std::max(step_.posted_until, i + 1);
   }
-  if (const auto work = batch.finish()) {  // NCCL: the group's work stands for each of its own
+  const auto work = batch.finish();
+  for (auto& buffer : batch.take_tensors()) {
+    step_.posted_buffers.push_back(std::move(buffer));
+  }
+  if (work) {  // NCCL: the group's work stands for each of its own
     for (size_t k = first_send; k < step_.pending_sends.size(); ++k) {
       step_.pending_sends[k].first = work;
     }

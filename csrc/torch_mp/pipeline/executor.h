@@ -113,6 +113,8 @@ class Executor {
     std::map<size_t, PendingRecv> posted_recvs;
     size_t next_recv = 0;     // in ActionPlan::receives: the next receive to post
     size_t posted_until = 0;  // NCCL's rules: the actions before it are posted
+    // NCCL: the buffers of the groups posted, kept until the step's sends are waited for.
+    std::vector<at::Tensor> posted_buffers;
     std::vector<at::Tensor> losses;
     std::vector<bool> sync_armed;  // per local stage: its gradient sync was armed
     std::vector<TimedAction> trace;

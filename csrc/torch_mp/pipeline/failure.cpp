@@ -251,6 +251,10 @@ void Executor::fail(const ActionPlan& plan, size_t index, const PeerFailure& fai
 }
 
 void Executor::abandon_in_flight() {
+  for (auto& buffer : step_.posted_buffers) {
+    orphans_.buffers.push_back(std::move(buffer));
+  }
+  step_.posted_buffers.clear();
   for (auto& [work, send_index] : step_.pending_sends) {
     orphans_.works.push_back(work);
   }

@@ -86,6 +86,8 @@ struct Orphans {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   /// Groups replaced by reset(), with the works that were pending on them.
   std::vector<GroupPtr> groups;
+  /// The buffers of the NCCL groups failed steps posted.
+  std::vector<at::Tensor> buffers;
 };
 
 }  // namespace torch_mp::pipeline

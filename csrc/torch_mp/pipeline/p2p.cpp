@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "torch_mp/agreement.h"
+#include "torch_mp/comm.h"
 
 namespace torch_mp::pipeline {
 namespace {
@@ -169,8 +170,7 @@ c10::intrusive_ptr<c10d::Work> send_one(at::Tensor tensor,
                                         int tag,
                                         const GroupPtr& group) {
   check_device(tensor, group, "torch_mp.pipeline send");
-  std::vector<at::Tensor> one{std::move(tensor)};
-  return group->send(one, peer, tag);
+  return comm::send(std::move(tensor), peer, tag, group);
 }
 
 at::Tensor recv_one(at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
@@ -282,8 +282,7 @@ PendingRecv post_recv(
           ? at::empty({channel.layout->packed_bytes()}, at::TensorOptions(at::kByte).device(device))
           : at::empty({kMetadataLength}, at::TensorOptions(at::kLong).device(device));
   check_device(pending.buffer, group, "torch_mp.pipeline receive");
-  std::vector<at::Tensor> one{pending.buffer};
-  pending.work = group->recv(one, peer, tags(pending.expects_data ? 1 : 0));
+  pending.work = comm::recv(pending.buffer, peer, tags(pending.expects_data ? 1 : 0), group);
   return pending;
 }
 
