@@ -169,11 +169,7 @@ c10::intrusive_ptr<c10d::Work> P2PGroup::finish() {
   try {
     for (auto& op : ops_) {
       std::vector<at::Tensor> one{op.tensor};
-      if (op.send) {
-        group_->send(one, op.peer, op.tag);
-      } else {
-        group_->recv(one, op.peer, op.tag);
-      }
+      op.send ? group_->send(one, op.peer, op.tag) : group_->recv(one, op.peer, op.tag);
     }
   } catch (...) {
     group_->endCoalescing(c10::DeviceType::CUDA);
@@ -186,22 +182,22 @@ c10::intrusive_ptr<c10d::Work> P2PGroup::finish() {
   return group_->endCoalescing(c10::DeviceType::CUDA);
 }
 
-c10::intrusive_ptr<c10d::Work> send(at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
+c10::intrusive_ptr<c10d::Work> P2PGroup::post(
+    bool is_send, at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
   if (open_group && open_group->group_ == group) {
-    open_group->ops_.push_back({true, std::move(tensor), peer, tag});
+    open_group->ops_.push_back({is_send, std::move(tensor), peer, tag});
     return {};
   }
   std::vector<at::Tensor> one{std::move(tensor)};
-  return group->send(one, peer, tag);
+  return is_send ? group->send(one, peer, tag) : group->recv(one, peer, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> send(at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
+  return P2PGroup::post(true, std::move(tensor), peer, tag, group);
 }
 
 c10::intrusive_ptr<c10d::Work> recv(at::Tensor tensor, int peer, int tag, const GroupPtr& group) {
-  if (open_group && open_group->group_ == group) {
-    open_group->ops_.push_back({false, std::move(tensor), peer, tag});
-    return {};
-  }
-  std::vector<at::Tensor> one{std::move(tensor)};
-  return group->recv(one, peer, tag);
+  return P2PGroup::post(false, std::move(tensor), peer, tag, group);
 }
 
 at::Tensor split(const at::Tensor& x, int64_t dim, const GroupPtr& group) {

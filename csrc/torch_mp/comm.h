@@ -65,8 +65,8 @@ class P2PGroup {
   /// Ends a group left open (an exception between its posts).
   ~P2PGroup();
 
-  /// Ends the group. Under NCCL each operation's work is the group's (which keeps every tensor
-  /// posted in it alive until it completes): it replaces each of `works`.
+  /// Ends the group. Under NCCL each operation's work is the group's: it replaces each of
+  /// `works` (and the posted tensors must outlive it: take_tensors).
   template <typename... Works>
   void end(Works&... works) {
     const auto group_work = finish();
@@ -83,6 +83,10 @@ class P2PGroup {
  private:
   friend c10::intrusive_ptr<c10d::Work> send(at::Tensor, int, int, const GroupPtr&);
   friend c10::intrusive_ptr<c10d::Work> recv(at::Tensor, int, int, const GroupPtr&);
+  // comm::send (`is_send`) or comm::recv: queued in this thread's open group on `group`, posted
+  // now otherwise.
+  static c10::intrusive_ptr<c10d::Work> post(
+      bool is_send, at::Tensor tensor, int peer, int tag, const GroupPtr& group);
   struct Op {
     bool send;
     at::Tensor tensor;

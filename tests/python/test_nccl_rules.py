@@ -21,51 +21,21 @@ from reference import assert_close, error_of, rank_tensor, use_mesh
 from test_context_parallel import HEADS, _attention_agrees
 from test_moe import CASES as MOE_CASES
 from test_moe import _step_equals_dense
-from test_pipeline import WIDTH, _FailsAt, _model, _WithPositions
+from test_pipeline import WIDTH, _FailsAt, _model, _step_matches_reference, _WithPositions
 from torch import nn
 
 from torch_mp import context_parallel as cp
 from torch_mp import functional, pipeline
 
 
-def _under_nccl_rules(build):
-    """`build()` with the collective checks on: the pipeline it makes runs under NCCL's rules."""
+def _checked(body, *args):
+    """`body(*args)` with the collective checks on (a pipeline built there runs under NCCL's
+    rules)."""
     functional.set_check_collectives(True)
     try:
-        pipe = build()
+        return body(*args)
     finally:
         functional.set_check_collectives(False)
-    assert pipe.ordered
-    return pipe
-
-
-def _every_schedule(name: str, stages_per_rank: int) -> None:
-    p, rank = dist.get_world_size(), dist.get_rank()
-    mesh = use_mesh(1, pp=p)
-    stages = _model(p * stages_per_rank)
-    reference = copy.deepcopy(nn.Sequential(*stages))
-    m = 2 * p
-    x, y = rank_tensor(1, 0, 2 * m, WIDTH), rank_tensor(2, 0, 2 * m, WIDTH)
-    expected = nn.functional.mse_loss(reference(x), y)
-    expected.backward()
-    schedule = pipeline.schedule(name, p * stages_per_rank, m, stages_per_rank)
-    indices = schedule.stages_of_rank(rank)
-    mine = [stages[i] for i in indices]
-    pipe = _under_nccl_rules(
-        lambda: pipeline.Pipeline(mine, schedule, loss_fn=nn.functional.mse_loss, mesh=mesh)
-    )
-    pipeline.simulate(pipe.schedule, comm_semantics="nccl")  # what it runs is NCCL-safe
-    first, last = 0 in indices, len(stages) - 1 in indices
-    loss = pipe.step(x if first else None, target=y if last else None)
-    if last:
-        assert_close(loss, expected.detach(), "loss")
-    for index, stage in zip(indices, mine, strict=True):
-        for param, ref in zip(stage.parameters(), reference[index].parameters(), strict=True):
-            assert_close(param.grad, ref.grad, f"stage {index} gradient")
-    out = pipe.eval_step(x if first else None)  # evaluation's forward-only lists, made safe too
-    if last:
-        with torch.no_grad():
-            assert_close(out, reference(x), "eval output")
 
 
 @pytest.mark.parametrize(
@@ -81,7 +51,8 @@ def _every_schedule(name: str, stages_per_rank: int) -> None:
 )
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_schedule_is_exact_under_nccl_rules(name, stages_per_rank, world_size, request):
-    request.getfixturevalue(f"world{world_size}").run(_every_schedule, name, stages_per_rank)
+    world = request.getfixturevalue(f"world{world_size}")
+    world.run(_step_matches_reference, name, stages_per_rank, 2, 1, True)
 
 
 def _layouts_that_change() -> None:
@@ -91,11 +62,12 @@ def _layouts_that_change() -> None:
     torch.manual_seed(0)
     stages = [_WithPositions(True), _WithPositions(False)]
     reference = copy.deepcopy(stages)
-    pipe = _under_nccl_rules(
+    pipe = _checked(
         lambda: pipeline.Pipeline(
             stages[rank], "zb_h1", 2, loss_fn=nn.functional.mse_loss, mesh=mesh
         )
     )
+    assert pipe.ordered
     for seed, rows in [(7, 8), (8, 12), (9, 4)]:
         x, y = rank_tensor(seed, 0, rows, WIDTH), rank_tensor(seed + 1, 0, rows, WIDTH)
         for module in (*stages, *reference):
@@ -122,7 +94,7 @@ def _a_failure_reaches_every_rank() -> tuple[str | None, bool]:
     stages = _model(2)
     reference = copy.deepcopy(nn.Sequential(*stages))
     failing = _FailsAt(stages[rank], fail_at=1 if rank == 1 else 99)
-    pipe = _under_nccl_rules(
+    pipe = _checked(
         lambda: pipeline.Pipeline(failing, "1f1b", 4, loss_fn=nn.functional.mse_loss, mesh=mesh)
     )
     other = rank_tensor(9, 0, 8, WIDTH)
@@ -143,14 +115,6 @@ def test_a_failure_reaches_every_rank_and_reset_recovers_under_nccl_rules(world2
     for message, ordered in world2.run(_a_failure_reaches_every_rank):
         assert "injected failure" in message and "F(1,1)" in message
         assert ordered
-
-
-def _checked(body, *args):
-    functional.set_check_collectives(True)
-    try:
-        return body(*args)
-    finally:
-        functional.set_check_collectives(False)
 
 
 @pytest.mark.parametrize("method", cp.METHODS)

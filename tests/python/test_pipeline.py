@@ -12,7 +12,7 @@ import torch.distributed as dist
 from reference import assert_close, error_of, rank_tensor, use_mesh
 from torch import nn
 
-from torch_mp import pipeline
+from torch_mp import functional, pipeline
 
 WIDTH = 8
 
@@ -23,8 +23,15 @@ def _model(num_stages: int) -> list[nn.Module]:
 
 
 def _step_matches_reference(
-    name: str, stages_per_rank: int, microbatches_per_rank: int, steps: int = 1
+    name: str,
+    stages_per_rank: int,
+    microbatches_per_rank: int,
+    steps: int = 1,
+    nccl_rules: bool = False,
 ) -> None:
+    """One or more training steps against the one-process model. With `nccl_rules`, the
+    pipeline is built with the collective checks on (so it runs under NCCL's rules, which its
+    schedule is proved to keep), and an evaluation step is checked too."""
     p, rank = dist.get_world_size(), dist.get_rank()
     mesh = use_mesh(1, pp=p)
     stages = _model(p * stages_per_rank)
@@ -38,7 +45,14 @@ def _step_matches_reference(
     indices = schedule.stages_of_rank(rank)
     mine = [stages[i] for i in indices]
     first, last = 0 in indices, len(stages) - 1 in indices  # zbv: rank 0 holds both
-    pipe = pipeline.Pipeline(mine, schedule, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    functional.set_check_collectives(nccl_rules)
+    try:
+        pipe = pipeline.Pipeline(mine, schedule, loss_fn=nn.functional.mse_loss, mesh=mesh)
+    finally:
+        functional.set_check_collectives(False)
+    assert pipe.ordered == nccl_rules
+    if nccl_rules:
+        pipeline.simulate(pipe.schedule, comm_semantics="nccl")  # what it runs is NCCL-safe
     # Ranks without the first stage pass None (or nothing at all, as the other tests do).
     for _ in range(steps):  # gradients accumulate over steps, as in the reference's
         loss = pipe.step(x if first else None, target=y if last else None)
@@ -55,6 +69,11 @@ def _step_matches_reference(
             stage.named_parameters(), reference[index].parameters(), strict=True
         ):
             assert_close(param.grad, ref.grad, f"stage {index} {name_} gradient")
+    if nccl_rules:  # evaluation's forward-only lists, made NCCL-safe too
+        out = pipe.eval_step(x if first else None)
+        if last:
+            with torch.no_grad():
+                assert_close(out, reference(x), "eval output")
 
 
 @pytest.mark.parametrize(

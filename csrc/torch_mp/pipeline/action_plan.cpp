@@ -3,7 +3,6 @@
 
 #include "torch_mp/pipeline/action_plan.h"
 
-#include <algorithm>
 #include <optional>
 #include <set>
 #include <tuple>
@@ -149,9 +148,9 @@ std::map<size_t, std::vector<size_t>> sends_released_by(
   return released;
 }
 
-std::vector<std::vector<size_t>> p2p_groups(const std::vector<Action>& list,
-                                            const Schedule& schedule) {
-  std::vector<std::vector<size_t>> groups;
+std::map<size_t, std::vector<size_t>> p2p_groups(const std::vector<Action>& list,
+                                                 const Schedule& schedule) {
+  std::map<size_t, std::vector<size_t>> groups;
   for (size_t i = 0; i < list.size();) {
     if (is_compute(list[i].kind)) {
       ++i;
@@ -161,10 +160,10 @@ std::vector<std::vector<size_t>> p2p_groups(const std::vector<Action>& list,
     while (end < list.size() && !is_compute(list[end].kind)) {
       ++end;
     }
-    groups.emplace_back();
+    auto* group = &groups[i];  // the run's sends, then its receives
     for (size_t j = i; j < end; ++j) {
       if (is_send(list[j])) {
-        groups.back().push_back(j);
+        group->push_back(j);
       }
     }
     std::set<int64_t> receiving_from;
@@ -172,11 +171,12 @@ std::vector<std::vector<size_t>> p2p_groups(const std::vector<Action>& list,
       if (!is_recv(list[j])) {
         continue;
       }
-      if (!receiving_from.insert(schedule.rank_of_stage(peer_stage(list[j]))).second) {
-        groups.emplace_back();
-        receiving_from = {schedule.rank_of_stage(peer_stage(list[j]))};
+      const int64_t peer = schedule.rank_of_stage(peer_stage(list[j]));
+      if (!receiving_from.insert(peer).second) {  // a second receive from `peer`: a new group
+        group = &groups[j];
+        receiving_from = {peer};
       }
-      groups.back().push_back(j);
+      group->push_back(j);
     }
     i = end;
   }
@@ -200,10 +200,7 @@ ActionPlan plan_actions(const Schedule& schedule, int64_t rank, bool train) {
   plan.actions = lists[rank];
   plan.sends_released_by = sends_released_by(lists, schedule, rank);
   plan.last_backward = last_backwards(plan.actions, schedule);
-  for (auto& group : p2p_groups(plan.actions, schedule)) {
-    const size_t first = *std::min_element(group.begin(), group.end());
-    plan.groups.emplace(first, std::move(group));
-  }
+  plan.groups = p2p_groups(plan.actions, schedule);
   plan.routes.resize(plan.actions.size());
   for (size_t i = 0; i < plan.actions.size(); ++i) {
     const Action& a = plan.actions[i];

@@ -45,9 +45,10 @@ std::map<size_t, std::vector<size_t>> sends_released_by(
 /// of consecutive sends and receives is one group, posted when the run is reached, sends first,
 /// except that a receive from a rank that the group already receives from starts a new group,
 /// posted once the receives before it are finished: whatever follows a message (a new layout,
-/// a failure) is then the next thing this rank receives from its sender.
-std::vector<std::vector<size_t>> p2p_groups(const std::vector<Action>& list,
-                                            const Schedule& schedule);
+/// a failure) is then the next thing this rank receives from its sender. By the group's first
+/// action (the one whose turn posts it).
+std::map<size_t, std::vector<size_t>> p2p_groups(const std::vector<Action>& list,
+                                                 const Schedule& schedule);
 
 /// The index, in a rank's action list, of one local stage's last BW, B and W (SIZE_MAX where it
 /// has none).

@@ -269,10 +269,7 @@ class Replay {
       for (int64_t q = 0; q < s_.num_ranks(); ++q) {
         const auto& list = s_.actions[q];
         if (comm_ == CommSemantics::kNccl) {
-          for (auto& group : p2p_groups(list, s_)) {
-            const size_t first = *std::min_element(group.begin(), group.end());
-            groups_by_start_[q].emplace(first, std::move(group));
-          }
+          groups_by_start_[q] = p2p_groups(list, s_);
         } else {
           for (size_t i = 0; i < list.size(); ++i) {
             if (!is_compute(list[i].kind)) {
