@@ -20,7 +20,8 @@ package) with AdamW (warm-up, then cosine decay) and gradient clipping
   and the gradients are averaged once per step. ``--zero`` shards AdamW's state over the data
   ranks (``torch_mp.DistributedOptimizer``, ZeRO-1), ``--zero 2`` the gradients too
   (``DataParallel(shard_gradients=True)``, ZeRO-2; the head's tie to the embedding sums the
-  tied copies' pieces).
+  tied copies' pieces), ``--zero 3`` the parameters too (``DataParallel(shard_parameters=True)``,
+  each transformer layer gathered for its forward and its backward; at pp 1 for now).
 - ``--bf16``: bf16 parameters and compute, fp32 main gradients and fp32 masters (ZeRO-2); the
   reference runs the same recipe on one process, and ``--check`` holds it to bf16's roundings.
 - Context parallelism (``--cp``): each sequence is split over a context group of ranks, each
@@ -152,8 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="?",
         const=1,
         default=0,
-        choices=[1, 2],
-        help="bare or 1: shard AdamW's state over the data ranks; 2: the gradients too",
+        choices=[1, 2, 3],
+        help="bare or 1: shard AdamW's state over the data ranks; 2: the gradients too; "
+        "3: the parameters too (pp 1)",
     )
     parser.add_argument(
         "--bf16", action="store_true", help="bf16 with fp32 main gradients and masters (ZeRO-2)"
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             f"sequence parallel {'on' if args.sequence_parallel else 'off'}, "
             f"{'DistributedDataParallel' if args.ddp else 'torch_mp.DataParallel'}"
             f"{', AdamW sharded over the data ranks' if args.zero or args.bf16 else ''}"
-            f"{', gradients too' if args.zero == 2 or args.bf16 else ''}"
+            f"{', gradients too' if args.zero >= 2 or args.bf16 else ''}"
+            f"{', parameters too' if args.zero == 3 else ''}"
             f"{', bf16 with fp32 main gradients and masters' if args.bf16 else ''}"
             f"{f', recompute {args.recompute}' if args.recompute else ''}",
             flush=True,

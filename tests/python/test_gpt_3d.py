@@ -85,7 +85,7 @@ def _train_3d(
         loss = trainer.compute_gradients(inputs[mine], target[mine])
         expected = reference.compute_gradients(inputs, target)
         assert_close(torch.tensor(loss), torch.tensor(expected), f"step {step} loss")
-        if step == 1 and zero < 2:  # (ZeRO-2 leaves no whole gradients to gather)
+        if step == 1 and zero < 2:  # (ZeRO-2 and -3 leave no whole gradients to gather)
             want = {n: p.grad for n, p in reference.model.named_parameters()}
             for name, grad in _gradients(trainer).items():
                 ref = want["tok.weight" if name == "head.weight" else name]
@@ -110,6 +110,23 @@ def test_gpt_2x2x2_with_the_distributed_optimizer_equals_one_process(zero, world
     # each schedule: test_distributed_optimizer.py.) ZeRO-2: the head's tie to the embedding
     # sums the two stages' gradient pieces.
     world8.run(_train_3d, 2, 2, "1f1b", False, False, zero)
+
+
+def test_gpt_1x1x8_with_zero3_equals_one_process(world8):
+    # Parameters sharded over 8 data ranks, each transformer layer gathered for its forward and
+    # again for its backward.
+    world8.run(_train_3d, 1, 1, "1f1b", False, False, 3)
+
+
+def _refuses_zero3_at_pp2() -> None:
+    torch.manual_seed(0)
+    dense = DenseGPT(_config(Corpus().vocab))
+    with pytest.raises(ValueError, match="ZeRO-3 .* at pp > 1"):
+        Trainer3D(dense, use_mesh(1, 2), TrainingOptions(zero=3))
+
+
+def test_zero3_at_pp2_is_refused(world2):
+    world2.run(_refuses_zero3_at_pp2)
 
 
 @pytest.mark.parametrize(

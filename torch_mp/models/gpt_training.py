@@ -25,8 +25,10 @@ class TrainingOptions:
     the layers' activation recomputation (``recompute``: None, ``"full"`` or ``"selective"``),
     DistributedDataParallel (``ddp``) or torch_mp.DataParallel stages, ZeRO (``zero``: 0 none;
     1 AdamW's state sharded over the data ranks, torch_mp.DistributedOptimizer; 2 the gradients
-    too, ``DataParallel(shard_gradients=True)``), bf16 parameters and compute with fp32 main
-    gradients and fp32 masters (``bf16``, which implies ZeRO-2), AdamW's learning rate (its
+    too, ``DataParallel(shard_gradients=True)``; 3 the parameters too,
+    ``DataParallel(shard_parameters=True)``, each transformer layer a unit, at pp = 1), bf16
+    parameters and compute with fp32 main gradients and fp32 masters (``bf16``, which implies
+    ZeRO-2 or more), AdamW's learning rate (its
     schedule: :func:`learning_rate`) and weight decay, and the gradient norm clipped to. The
     context parallelism comes from the mesh (``cp``), its attention by ``context_method``
     (:func:`torch_mp.context_parallel.attention`)."""
@@ -80,14 +82,24 @@ class Trainer3D:
             options.recompute,
             options.context_method,
         )
-        zero = 2 if options.bf16 else int(options.zero)
+        zero = max(2, int(options.zero)) if options.bf16 else int(options.zero)
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"TrainingOptions: zero must be 0, 1, 2 or 3, got {options.zero}")
         if options.ddp and dense.config.moe_experts and mesh.ep_size > 1:
             raise ValueError(
                 "TrainingOptions: DistributedDataParallel stages would average different "
                 "experts' gradients over the data group (ep > 1); use torch_mp.DataParallel"
             )
+        if zero == 3 and mesh.pp_size > 1:
+            raise ValueError(
+                "TrainingOptions: ZeRO-3 (zero=3) at pp > 1 is not supported yet: the head's "
+                "tie to the embedding sums whole gradients across the pipeline, which ZeRO-3 "
+                "has already reduce-scattered; use zero=2 or pp=1"
+            )
         if options.ddp and zero >= 2:
-            raise ValueError("TrainingOptions: ZeRO-2 (zero=2 or bf16) needs torch_mp.DataParallel")
+            raise ValueError(
+                "TrainingOptions: ZeRO-2 and -3 (zero=2, 3 or bf16) need torch_mp.DataParallel"
+            )
         if options.bf16:
             for stage in self.stages:
                 stage.to(torch.bfloat16)
@@ -99,7 +111,14 @@ class Trainer3D:
             grad_dtype = torch.float32 if options.bf16 else None
             wrapped = [
                 torch_mp.DataParallel(
-                    s, mesh=mesh, shard_gradients=zero >= 2, grad_dtype=grad_dtype
+                    s,
+                    mesh=mesh,
+                    shard_gradients=zero >= 2,
+                    grad_dtype=grad_dtype,
+                    shard_parameters=zero == 3,
+                    # (the ends, whose head reads the embedding outside its forward, gathered
+                    # with the stage)
+                    unit=torch_mp.ParallelTransformerLayer if zero == 3 else None,
                 )
                 for s in self.stages
             ]
