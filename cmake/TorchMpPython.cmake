@@ -11,6 +11,7 @@ Python3_add_library(_C MODULE WITH_SOABI
   csrc/python/data_parallel_bindings.cpp
   csrc/python/optim_bindings.cpp
   csrc/python/pipeline_bindings.cpp
+  csrc/python/plan_bindings.cpp
   csrc/python/recompute_bindings.cpp
   csrc/python/context_parallel_bindings.cpp
   csrc/python/moe_bindings.cpp

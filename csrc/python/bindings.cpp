@@ -18,6 +18,7 @@ void bind_checkpoint(py::module_& parent);        // checkpoint_bindings.cpp
 void bind_data_parallel(py::module_& parent);     // data_parallel_bindings.cpp
 void bind_optim(py::module_& parent);             // optim_bindings.cpp
 void bind_pipeline(py::module_& parent);          // pipeline_bindings.cpp
+void bind_plan(py::module_& module);              // plan_bindings.cpp
 void bind_recompute(py::module_& module);         // recompute_bindings.cpp
 void bind_context_parallel(py::module_& module);  // context_parallel_bindings.cpp
 void bind_moe(py::module_& module);               // moe_bindings.cpp
@@ -32,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   torch_mp::python::bind_data_parallel(m);
   torch_mp::python::bind_optim(m);
   torch_mp::python::bind_pipeline(m);
+  torch_mp::python::bind_plan(m);
   torch_mp::python::bind_checkpoint(m);
   torch_mp::python::bind_tensor_parallel(m);
   torch_mp::python::bind_recompute(m);

@@ -1,0 +1,85 @@
+// Bindings of the estimate (csrc/torch_mp/plan/estimate.h): torch_mp._C.plan_estimate, which
+// torch_mp.plan.estimate calls with plain sizes. Argument conversion only.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "torch_mp/plan/estimate.h"
+
+namespace py = pybind11;
+
+namespace torch_mp::python {
+
+void bind_plan(py::module_& m) {
+  using plan::RankEstimate;
+  py::class_<RankEstimate>(m, "RankEstimate")
+      .def_readonly("kind", &RankEstimate::kind)
+      .def_readonly("pipeline_ranks", &RankEstimate::pipeline_ranks)
+      .def_readonly("parameters", &RankEstimate::parameters)
+      .def_readonly("gradients", &RankEstimate::gradients)
+      .def_readonly("optimizer_state", &RankEstimate::optimizer_state)
+      .def_readonly("communication_buffers", &RankEstimate::communication_buffers)
+      .def_readonly("persistent_buffers", &RankEstimate::persistent_buffers)
+      .def_readonly("activations_per_microbatch", &RankEstimate::activations_per_microbatch)
+      .def_readonly("microbatches_in_flight", &RankEstimate::microbatches_in_flight)
+      .def_readonly("activations", &RankEstimate::activations)
+      .def_readonly("accumulating_gradients", &RankEstimate::accumulating_gradients)
+      .def_readonly("peak", &RankEstimate::peak)
+      .def_property_readonly("between_steps", &RankEstimate::between_steps);
+  py::class_<plan::Estimate>(m, "Estimate")
+      .def_readonly("ranks", &plan::Estimate::ranks)
+      .def_readonly("flops_per_rank", &plan::Estimate::flops_per_rank)
+      .def_readonly("bytes_sent", &plan::Estimate::bytes_sent)
+      .def("__str__", &plan::Estimate::to_string);
+  m.def(
+      "plan_estimate",
+      [](int64_t vocab,
+         int64_t positions,
+         int64_t hidden,
+         int64_t heads,
+         int64_t ffn,
+         int64_t layers,
+         int64_t experts,
+         const py::dict& layout) {
+        plan::ModelShape model{vocab, positions, hidden, heads, ffn, layers, experts};
+        plan::Layout l;
+        const auto get = [&](const char* key, auto& field) {
+          if (layout.contains(key)) {
+            field = layout[key].cast<std::decay_t<decltype(field)>>();
+          }
+        };
+        get("tp", l.tp);
+        get("pp", l.pp);
+        get("dp", l.dp);
+        get("cp", l.cp);
+        get("ep", l.ep);
+        get("zero", l.zero);
+        get("sequence_parallel", l.sequence_parallel);
+        get("dtype_bytes", l.dtype_bytes);
+        get("master_bytes", l.master_bytes);
+        get("micro_batch", l.micro_batch);
+        get("seq_len", l.seq_len);
+        get("num_microbatches", l.num_microbatches);
+        get("schedule", l.schedule);
+        get("optimizer", l.optimizer);
+        get("bucket_cap_mb", l.bucket_cap_mb);
+        std::string recompute = "none";
+        get("recompute", recompute);
+        if (recompute == "full") {
+          l.recompute = plan::Recompute::kFull;
+        } else if (recompute == "selective") {
+          l.recompute = plan::Recompute::kSelective;
+        } else {
+          TORCH_CHECK(recompute == "none",
+                      "plan.estimate: recompute must be None, \"selective\" or \"full\", got \"",
+                      recompute,
+                      "\"");
+        }
+        return plan::estimate(model, l);
+      },
+      "torch_mp::plan::estimate over a dict of the layout's fields");
+}
+
+}  // namespace torch_mp::python

@@ -1,0 +1,434 @@
+#include "torch_mp/plan/estimate.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <iomanip>
+#include <set>
+#include <sstream>
+
+#include "torch_mp/data_parallel/shard_layout.h"
+#include "torch_mp/pipeline/schedule.h"
+
+namespace torch_mp::plan {
+namespace {
+
+using data_parallel::ShardLayout;
+using pipeline::ActionKind;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+void check(const ModelShape& model, const Layout& l) {
+  const auto positive = [](int64_t value, const char* name) {
+    TORCH_CHECK(value >= 1, "plan.estimate: ", name, " must be at least 1, got ", value);
+  };
+  positive(l.tp, "tp");
+  positive(l.pp, "pp");
+  positive(l.dp, "dp");
+  positive(l.micro_batch, "micro_batch");
+  positive(l.seq_len, "seq_len");
+  positive(l.num_microbatches, "num_microbatches");
+  TORCH_CHECK(l.cp == 1 && l.ep == 1 && model.experts == 0,
+              "plan.estimate: context (cp > 1) and expert (ep > 1, MoE layers) parallelism are "
+              "not estimated yet; got cp=",
+              l.cp,
+              ", ep=",
+              l.ep,
+              ", experts=",
+              model.experts);
+  TORCH_CHECK(model.hidden % model.heads == 0,
+              "plan.estimate: hidden (",
+              model.hidden,
+              ") is not divisible by heads (",
+              model.heads,
+              ")");
+  TORCH_CHECK(model.heads % l.tp == 0 && model.ffn % l.tp == 0,
+              "plan.estimate: heads (",
+              model.heads,
+              ") and ffn (",
+              model.ffn,
+              ") must be divisible by tp=",
+              l.tp);
+  TORCH_CHECK(!l.sequence_parallel || l.seq_len % l.tp == 0,
+              "plan.estimate: sequence parallelism needs seq_len (",
+              l.seq_len,
+              ") divisible by tp=",
+              l.tp);
+  TORCH_CHECK(l.seq_len <= model.positions,
+              "plan.estimate: seq_len=",
+              l.seq_len,
+              " exceeds the model's ",
+              model.positions,
+              " positions");
+  TORCH_CHECK(l.zero >= 0 && l.zero <= 3, "plan.estimate: zero must be 0, 1, 2 or 3, got ", l.zero);
+  TORCH_CHECK(l.zero < 3 || l.pp == 1,
+              "plan.estimate: ZeRO-3 (zero=3) at pp > 1 is not supported (the head's tie to the "
+              "embedding sums whole gradients across the pipeline)");
+  TORCH_CHECK(l.dtype_bytes == 2 || l.dtype_bytes == 4,
+              "plan.estimate: dtype must be float32 or a 16-bit type");
+  TORCH_CHECK(l.master_bytes == 0 || l.master_bytes == 4,
+              "plan.estimate: master_dtype must be None or float32");
+  TORCH_CHECK(l.optimizer == "adamw" || l.optimizer == "adam" || l.optimizer == "sgd",
+              "plan.estimate: optimizer must be \"adamw\", \"adam\" or \"sgd\", got \"",
+              l.optimizer,
+              "\"");
+}
+
+// The sizes every count below is made of.
+struct Sizes {
+  int64_t t, h, f, heads, vocab_shard, positions, n, s, d, stages, per_stage;
+  double sigma;  // share of the tokens each tensor rank holds between the layers' matmuls
+  bool masters;
+};
+
+// Parameters of stage `i`, in the order the stage holds them, each with its ZeRO-3 unit (0 for
+// the ends, 1 + j for the stage's layer j).
+void stage_parameters(const Sizes& z,
+                      int64_t i,
+                      std::vector<int64_t>& numel,
+                      std::vector<size_t>& unit) {
+  const bool first = i == 0, last = i == z.stages - 1;
+  const auto add = [&](int64_t n, size_t u) {
+    numel.push_back(n);
+    unit.push_back(u);
+  };
+  if (first) {
+    add(z.vocab_shard * z.h, 0);  // token embedding (padded to a multiple of tp rows)
+    add(z.positions * z.h, 0);    // positions (the whole table, replicated)
+  }
+  for (int64_t j = 0; j < z.per_stage; ++j) {
+    const size_t u = static_cast<size_t>(1 + j);
+    add(3 * z.h / z.t * z.h, u);  // in_proj
+    add(z.h * z.h / z.t, u);      // out_proj
+    add(z.h, u);                  // norm1 (no bias)
+    add(z.h, u);                  // norm2
+    add(z.f / z.t * z.h, u);      // linear1
+    add(z.h * z.f / z.t, u);      // linear2
+  }
+  if (last) {
+    add(z.h, 0);  // final norm weight
+    add(z.h, 0);  // and bias
+    if (!first) {
+      add(z.vocab_shard * z.h, 0);  // the head: a copy of the token embedding
+    }
+  }
+}
+
+// Buckets of ZeRO's flat layout (data_parallel::ShardLayout, on meta tensors of the shapes).
+ShardLayout buckets_of(const std::vector<int64_t>& numel,
+                       const std::vector<size_t>& units,
+                       const Sizes& z,
+                       const Layout& l) {
+  std::vector<at::Tensor> meta;
+  const auto dtype = z.d == 2 ? at::kBFloat16 : at::kFloat;
+  for (const int64_t n : numel) {
+    meta.push_back(at::empty({n}, at::TensorOptions().dtype(dtype).device(at::kMeta)));
+  }
+  return ShardLayout::of(meta, l.dp, 0, l.bucket_cap_mb, "plan.estimate", units);
+}
+
+// Saved for the backward per micro-batch by one layer, as the layers save it: the residual
+// stream's two sums, the LayerNorms' outputs (their all-gathered inputs to the matmuls under
+// sequence parallelism) and statistics, q/k/v, the attention's output and log-sum-exp (fp32),
+// and the MLP's two [n, f/t] (before and after gelu).
+int64_t layer_full(const Sizes& z) {
+  const double per_token =
+      z.d * (2.0 * z.h + 2.0 * z.h * z.sigma + 4.0 * z.h / z.t + 2.0 * z.f / z.t + 2.0 * z.sigma) +
+      4.0 * z.heads / z.t;
+  return static_cast<int64_t>(z.n * per_token);
+}
+
+int64_t layer_saved(const Sizes& z, Recompute recompute) {
+  switch (recompute) {
+    case Recompute::kFull:  // its input only
+      return static_cast<int64_t>(z.d * z.n * z.h * z.sigma);
+    case Recompute::kSelective:  // the attention core's log-sum-exp is recomputed
+      return layer_full(z) - 4 * z.n * z.heads / z.t;
+    case Recompute::kNone:
+      break;
+  }
+  return layer_full(z);
+}
+
+int64_t stage_activations(const Sizes& z, const Layout& l, int64_t i) {
+  int64_t bytes = z.per_stage * layer_saved(z, l.recompute);
+  const int64_t residual = static_cast<int64_t>(z.d * z.n * z.h * z.sigma);
+  if (i == 0) {  // token ids (with tp: clamped and the out-of-shard mask), positions, the sum
+    bytes += z.n * 8 + (z.t > 1 ? z.n * 9 : 0) + z.s * 8 + residual;
+  }
+  if (i == z.stages - 1) {  // the final norm (output, stats), the logits, the loss's fp32 copy
+    bytes += residual + (l.sequence_parallel ? z.d * z.n * z.h : 0) +
+             static_cast<int64_t>(2 * z.d * z.n * z.sigma) + (z.d + 4) * z.n * z.vocab_shard;
+  }
+  return bytes;
+}
+
+// Held after a split backward's B until its W: the gradients of each weight's output.
+int64_t weight_work(const Sizes& z, int64_t i) {
+  int64_t bytes = z.per_stage * z.d * z.n * (z.f / z.t + 2 * z.h + 3 * z.h / z.t);
+  if (i == z.stages - 1) {
+    bytes += z.d * z.n * z.vocab_shard;
+  }
+  return bytes;
+}
+
+struct Walk {
+  int64_t worst = 0;  // activations + transients + accumulating .grad + buffers at the peak
+  int64_t activations = 0, accumulating = 0, buffers = 0, in_flight = 0;
+};
+
+// Replays pipeline rank `rank`'s actions: each F adds its micro-batch's activations, a B of a
+// split backward adds what its W needs, BW (B on the first stage, which has no input gradient;
+// W elsewhere) frees them. At each backward action, what is alive then.
+Walk walk(const pipeline::Schedule& schedule,
+          int64_t rank,
+          const Sizes& z,
+          const Layout& l,
+          int64_t param_grad_bytes,
+          int64_t gathered) {
+  std::map<std::pair<int64_t, int64_t>, int64_t> live;
+  const int64_t message = static_cast<int64_t>(z.d * z.n * z.h * z.sigma) + 64;
+  bool gradients_made = false;
+  Walk result;
+  for (const auto& action : schedule.actions[static_cast<size_t>(rank)]) {
+    const auto key = std::make_pair(action.stage, action.microbatch);
+    if (action.kind == ActionKind::kForward) {
+      live[key] = stage_activations(z, l, action.stage);
+      result.in_flight = std::max<int64_t>(result.in_flight, static_cast<int64_t>(live.size()));
+      continue;
+    }
+    const bool weight = action.kind == ActionKind::kBackwardWeight;
+    if (!pipeline::is_compute(action.kind) || (weight && !live.count(key))) {
+      continue;  // (the first stage's W: its B did everything)
+    }
+    int64_t held = 0;
+    for (const auto& entry : live) {
+      held += entry.second;
+    }
+    const int64_t transient = weight ? z.d * 3 * z.h / z.t * (z.n + z.h)
+                                     : z.d * (z.n * z.f / z.t + z.h * z.f / z.t + z.n * z.h) +
+                                           (l.recompute == Recompute::kFull ? layer_full(z) : 0);
+    // (with fp32 main gradients the backward adds into them: no .grad accumulates)
+    const int64_t accumulating = gradients_made && !z.masters ? param_grad_bytes : 0;
+    const int64_t buffers =
+        (l.pp > 1 ? 2 * static_cast<int64_t>(live.size()) * message : 0) + gathered;
+    const int64_t total = held + transient + accumulating + buffers;
+    if (total > result.worst) {
+      result = {total, held + transient, accumulating, buffers, result.in_flight};
+    }
+    if (action.kind == ActionKind::kFullBackward || weight || action.stage == 0) {
+      live.erase(key);
+      gradients_made = true;
+    } else {
+      live[key] += weight_work(z, action.stage);
+    }
+  }
+  return result;
+}
+
+// Floating-point operations of one micro-batch's forward through stage `i`.
+double forward_flops(const Sizes& z, int64_t i) {
+  const double matmuls = 2.0 * z.n * (4.0 * z.h * z.h + 2.0 * z.h * z.f) / z.t;
+  const double attention = 2.0 * z.n * z.s * z.h / z.t;  // QK^T and AV, causal: half of 4nsh
+  double flops = z.per_stage * (matmuls + attention);
+  if (i == z.stages - 1) {
+    flops += 2.0 * z.n * z.h * z.vocab_shard;
+  }
+  return flops;
+}
+
+}  // namespace
+
+Estimate estimate(const ModelShape& model, const Layout& layout) {
+  check(model, layout);
+  Layout l = layout;
+  if (l.master_bytes && l.master_bytes != l.dtype_bytes) {
+    l.zero = std::max(l.zero, 2);  // the recipe: fp32 main gradients in ZeRO-2's buckets
+  } else {
+    l.master_bytes = 0;
+  }
+  const auto names = pipeline::schedule_names();
+  TORCH_CHECK(std::find(names.begin(), names.end(), l.schedule) != names.end(),
+              "plan.estimate: unknown schedule \"",
+              l.schedule,
+              "\"");
+  const int64_t stages_per_rank =
+      (l.schedule == "interleaved_1f1b" || l.schedule == "interleaved_zb" || l.schedule == "zbv")
+          ? 2
+          : 1;
+  const int64_t stages = l.pp * stages_per_rank;
+  TORCH_CHECK(model.layers % stages == 0,
+              "plan.estimate: ",
+              model.layers,
+              " layers cannot be cut into ",
+              stages,
+              " equal stages (pp=",
+              l.pp,
+              ", schedule ",
+              l.schedule,
+              ")");
+  const Sizes z{l.tp,
+                model.hidden,
+                model.ffn,
+                model.heads,
+                ceil_div(model.vocab, l.tp),
+                model.positions,
+                l.micro_batch * l.seq_len,
+                l.seq_len,
+                l.dtype_bytes,
+                stages,
+                model.layers / stages,
+                l.sequence_parallel ? 1.0 / static_cast<double>(l.tp) : 1.0,
+                l.master_bytes != 0};
+  const auto schedule =
+      pipeline::make_schedule(l.schedule, stages, l.num_microbatches, stages_per_rank);
+  const int64_t moments = l.optimizer == "sgd" ? 0 : 2;
+  const int64_t state_bytes = z.masters ? l.master_bytes : z.d;
+
+  Estimate result;
+  std::vector<RankEstimate> rows;
+  for (int64_t r = 0; r < l.pp; ++r) {
+    RankEstimate row;
+    std::vector<int64_t> all_numel;
+    std::vector<ShardLayout> per_stage;
+    for (const int64_t i : schedule.stages_of_rank(r)) {
+      std::vector<int64_t> numel;
+      std::vector<size_t> units;
+      stage_parameters(z, i, numel, units);
+      all_numel.insert(all_numel.end(), numel.begin(), numel.end());
+      per_stage.push_back(buckets_of(numel, l.zero == 3 ? units : std::vector<size_t>{}, z, l));
+    }
+    int64_t numel = 0;
+    for (const int64_t n : all_numel) {
+      numel += n;
+    }
+    // ZeRO-1: the optimizer's own layout over all the rank's parameters; ZeRO-2/3: each stage's
+    // DataParallel's.
+    std::vector<ShardLayout> layouts =
+        l.zero == 1 ? std::vector<ShardLayout>{buckets_of(all_numel, {}, z, l)} : per_stage;
+    int64_t chunks = 0, padded = 0, largest = 0;
+    for (const auto& shard_layout : layouts) {
+      for (const auto& bucket : shard_layout.buckets) {
+        chunks += bucket.chunk;
+        padded += bucket.chunk * l.dp;
+        largest = std::max(largest, bucket.chunk * l.dp);
+      }
+    }
+    const int64_t owned = l.zero >= 1 ? chunks : numel;
+    if (l.zero == 3) {
+      row.parameters = chunks * z.d;
+    } else if (l.zero >= 1 && l.dp > 1) {  // flat buckets, the parameters views of them
+      row.parameters = padded * z.d;
+    } else {
+      row.parameters = numel * z.d;
+    }
+    if (l.zero <= 1) {  // DataParallel's flat gradient buffer
+      row.gradients = numel * z.d;
+    } else if (z.masters) {  // fp32 main gradients, whole buckets
+      row.gradients = padded * l.master_bytes;
+    } else {  // this rank's range of every bucket, and the reduce-scatter's staging slots
+      row.gradients = chunks * z.d;
+      row.persistent_buffers = (l.zero == 3 ? 1 : 2) * largest * z.d;
+    }
+    row.optimizer_state = owned * moments * state_bytes + (z.masters ? owned * l.master_bytes : 0);
+    const int64_t gathered = l.zero == 3 ? 2 * largest * z.d : 0;  // this unit and the next
+    const Walk w = walk(schedule, r, z, l, numel * z.d, gathered);
+    for (const int64_t i : schedule.stages_of_rank(r)) {
+      row.activations_per_microbatch += stage_activations(z, l, i);
+    }
+    row.microbatches_in_flight = w.in_flight;
+    row.activations = w.activations;
+    row.accumulating_gradients = w.accumulating;
+    row.communication_buffers = row.persistent_buffers + w.buffers;
+    row.peak = row.between_steps() + w.worst;
+    row.pipeline_ranks = {r};
+    rows.push_back(row);
+  }
+  // One row per distinct kind of rank.
+  for (size_t r = 0; r < rows.size(); ++r) {
+    RankEstimate& row = rows[r];
+    const bool holds_first = r == 0, holds_last = r + 1 == rows.size();
+    row.kind = holds_first && holds_last ? "every rank"
+               : holds_first             ? "first stage"
+               : holds_last              ? "last stage"
+                                         : "middle stages";
+    auto same = std::find_if(result.ranks.begin(), result.ranks.end(), [&](const RankEstimate& e) {
+      return e.kind == row.kind && e.peak == row.peak && e.between_steps() == row.between_steps();
+    });
+    if (same != result.ranks.end()) {
+      same->pipeline_ranks.push_back(row.pipeline_ranks[0]);
+    } else {
+      result.ranks.push_back(row);
+    }
+  }
+  // Work and traffic of a step on the busiest rank.
+  const double recompute_share = l.recompute == Recompute::kFull ? 1.0 : 0.0;
+  double flops = 0;
+  double pp_bytes = 0;
+  for (int64_t r = 0; r < l.pp; ++r) {
+    double rank_flops = 0, rank_pp = 0;
+    for (const int64_t i : schedule.stages_of_rank(r)) {
+      rank_flops += (3.0 + recompute_share) * forward_flops(z, i) * l.num_microbatches;
+      const int64_t neighbours = (i > 0 ? 1 : 0) + (i + 1 < stages ? 1 : 0);
+      rank_pp += neighbours * z.d * z.n * z.h * z.sigma * l.num_microbatches;
+    }
+    flops = std::max(flops, rank_flops);
+    pp_bytes = std::max(pp_bytes, rank_pp);
+  }
+  result.flops_per_rank = flops;
+  const double ring = [&](int64_t size) { return 2.0 * (size - 1) / size; }(l.tp);
+  // Per layer and micro-batch: two all-reduces of [n, h] forward and two backward (or, under
+  // sequence parallelism, all-gathers and reduce-scatters of the same volume).
+  result.bytes_sent["tp"] =
+      l.tp > 1 ? 4.0 * ring * z.d * z.n * z.h * z.per_stage * stages_per_rank * l.num_microbatches
+               : 0.0;
+  result.bytes_sent["pp"] = pp_bytes;
+  const int64_t grad_bytes = z.masters ? l.master_bytes : z.d;
+  int64_t rank_numel = 0;
+  for (const int64_t r : schedule.stages_of_rank(0)) {
+    std::vector<int64_t> numel;
+    std::vector<size_t> units;
+    stage_parameters(z, r, numel, units);
+    for (const int64_t n : numel) {
+      rank_numel += n;
+    }
+  }
+  const double share = l.dp > 1 ? static_cast<double>(l.dp - 1) / l.dp : 0.0;
+  // DDP: the gradients all-reduced; ZeRO-1/2: reduce-scattered and the parameters all-gathered;
+  // ZeRO-3: gathered twice (forward, backward).
+  const double dp_bytes = l.zero == 0   ? 2.0 * share * rank_numel * grad_bytes
+                          : l.zero <= 2 ? share * rank_numel * (grad_bytes + z.d)
+                                        : share * rank_numel * (grad_bytes + 2 * z.d);
+  result.bytes_sent["dp"] = dp_bytes;
+  return result;
+}
+
+std::string Estimate::to_string() const {
+  std::ostringstream out;
+  const auto mib = [](int64_t bytes) {
+    std::ostringstream s;
+    s << std::fixed << std::setprecision(2) << bytes / 1048576.0;
+    return s.str();
+  };
+  out << std::left << std::setw(16) << "ranks" << std::right << std::setw(11) << "params"
+      << std::setw(11) << "grads" << std::setw(11) << "optimizer" << std::setw(11) << "buffers"
+      << std::setw(11) << "act/mb" << std::setw(9) << "in flt" << std::setw(11) << "activ."
+      << std::setw(11) << "peak" << "   (MiB)\n";
+  for (const auto& row : ranks) {
+    out << std::left << std::setw(16) << row.kind << std::right << std::setw(11)
+        << mib(row.parameters) << std::setw(11) << mib(row.gradients) << std::setw(11)
+        << mib(row.optimizer_state) << std::setw(11) << mib(row.communication_buffers)
+        << std::setw(11) << mib(row.activations_per_microbatch) << std::setw(9)
+        << row.microbatches_in_flight << std::setw(11) << mib(row.activations) << std::setw(11)
+        << mib(row.peak) << "\n";
+  }
+  out << std::scientific << std::setprecision(3) << "per rank and step: " << flops_per_rank
+      << " FLOPs; sent";
+  for (const auto& [dimension, bytes] : bytes_sent) {
+    out << " " << dimension << " " << bytes << " B";
+  }
+  return out.str();
+}
+
+}  // namespace torch_mp::plan

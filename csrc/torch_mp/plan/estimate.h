@@ -1,0 +1,91 @@
+#pragma once
+// What a layout costs each rank before it is launched: bytes of parameters, gradients, optimizer
+// state, activations and communication buffers, the peak, and the work and traffic of a step
+// (docs/plan.md). Counted from the model's shapes by the rules the layers, DataParallel, the
+// distributed optimizer and the pipeline executor follow: the ZeRO buckets are
+// data_parallel::ShardLayout's own, and the micro-batches in flight come from walking the
+// schedule's action list (pipeline::make_schedule), not from a formula.
+//
+// The model is the GPT of torch_mp.models (pre-LN layers without biases, learned positions, a
+// head tied to the token embedding), trained with AdamW by torch_mp.models.Trainer3D.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace torch_mp::plan {
+
+/// The model's sizes (torch_mp.models.GPTConfig's).
+struct ModelShape {
+  int64_t vocab = 0;
+  int64_t positions = 0;  ///< rows of the learned position table
+  int64_t hidden = 0;
+  int64_t heads = 0;
+  int64_t ffn = 0;
+  int64_t layers = 0;
+  int64_t experts = 0;  ///< MoE experts per layer (0: dense MLPs)
+};
+
+enum class Recompute : uint8_t { kNone, kSelective, kFull };
+
+/// How the model is laid out and trained.
+struct Layout {
+  int64_t tp = 1, pp = 1, dp = 1, cp = 1, ep = 1;
+  int zero = 0;  ///< 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
+  Recompute recompute = Recompute::kNone;
+  bool sequence_parallel = false;
+  int64_t dtype_bytes = 4;   ///< parameters and compute
+  int64_t master_bytes = 0;  ///< fp32 masters and main gradients of a low-precision model; 0: none
+  int64_t micro_batch = 1;
+  int64_t seq_len = 0;
+  int64_t num_microbatches = 1;
+  std::string schedule = "1f1b";
+  std::string optimizer = "adamw";  ///< "adamw" or "adam" (two moments), "sgd" (none)
+  double bucket_cap_mb = 25.0;
+};
+
+/// One kind of rank (the ranks of one pipeline position; tensor and data ranks alike).
+struct RankEstimate {
+  std::string kind;                     ///< "every rank", "first stage", "last stage", ...
+  std::vector<int64_t> pipeline_ranks;  ///< the pipeline ranks it describes
+  int64_t parameters = 0;
+  int64_t gradients = 0;        ///< .grad, flat gradient buffers, ZeRO shards, fp32 main gradients
+  int64_t optimizer_state = 0;  ///< moments and fp32 masters
+  /// Kept between steps: ZeRO-2/3's reduce-scatter staging. At the peak also: ZeRO-3's gathered
+  /// units and the pipeline's send and receive buffers.
+  int64_t communication_buffers = 0;
+  int64_t persistent_buffers = 0;          ///< the part of communication_buffers kept between steps
+  int64_t activations_per_microbatch = 0;  ///< saved for the backward, all of the rank's stages
+  int64_t microbatches_in_flight = 0;      ///< the most whose activations are held at once
+  int64_t activations = 0;                 ///< held at the peak, the backward's own included
+  /// .grad accumulating over the micro-batches at the peak (before DataParallel takes it)
+  int64_t accumulating_gradients = 0;
+  /// between_steps() + activations + accumulating_gradients + the buffers of the peak
+  int64_t peak = 0;
+
+  /// What stays from one step to the next: parameters, gradients, optimizer state and the
+  /// persistent buffers.
+  int64_t between_steps() const {
+    return parameters + gradients + optimizer_state + persistent_buffers;
+  }
+};
+
+/// A layout's estimate.
+struct Estimate {
+  std::vector<RankEstimate> ranks;
+  /// Floating-point operations of one step on one rank (forward, backward and recomputation).
+  double flops_per_rank = 0;
+  /// Bytes each rank sends per step, by dimension ("tp", "pp", "dp").
+  std::map<std::string, double> bytes_sent;
+
+  /// A table, one row per rank kind.
+  std::string to_string() const;
+};
+
+/// Estimates `layout` of `model`. Raises, naming the setting, on a layout the model cannot take
+/// (sizes not divisible, an unknown schedule or optimizer) or one not estimated yet (cp > 1,
+/// ep > 1, experts).
+Estimate estimate(const ModelShape& model, const Layout& layout);
+
+}  // namespace torch_mp::plan

@@ -1,0 +1,133 @@
+"""Know before you launch: what a layout costs each rank (docs/plan.md).
+
+:func:`estimate` counts, from the model's shapes, the bytes each kind of rank holds (parameters,
+gradients, optimizer state, activations, communication buffers) and its peak, with the FLOPs
+and bytes sent of a step; the C++ core computes it (``torch_mp::plan::estimate``), by the rules
+the layers, DataParallel, the distributed optimizer and the pipeline's schedules follow.
+:func:`measure` trains the layout on the current ranks and returns what a rank really allocated,
+the number the estimate is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_mp import _C
+from torch_mp.plan.measure import measure
+
+__all__ = ["Estimate", "RankEstimate", "estimate", "measure"]
+
+#: One row of an estimate (``torch_mp::plan::RankEstimate``): ``kind`` ("every rank", "first
+#: stage", "middle stages", "last stage"), ``pipeline_ranks``, and bytes: ``parameters``,
+#: ``gradients``, ``optimizer_state``, ``communication_buffers`` (``persistent_buffers`` of them
+#: kept between steps), ``activations_per_microbatch``, ``microbatches_in_flight``,
+#: ``activations`` (at the peak), ``accumulating_gradients``, ``peak`` and ``between_steps``.
+RankEstimate = _C.RankEstimate
+#: ``ranks`` (a list of :data:`RankEstimate`), ``flops_per_rank``, ``bytes_sent`` (per dimension,
+#: per rank and step); ``str()`` is a table.
+Estimate = _C.Estimate
+
+
+def _shape(model) -> tuple[int, ...]:
+    from torch_mp.models import DenseGPT, GPTConfig
+
+    config = model.config if isinstance(model, DenseGPT) else model
+    if not isinstance(config, GPTConfig):
+        raise TypeError(
+            "plan.estimate: model must be a torch_mp.models.GPTConfig or a DenseGPT (on any "
+            f"device, the meta device included); got {type(model).__name__} (Hugging Face "
+            "configs and other modules are not estimated yet)"
+        )
+    return (
+        config.vocab,
+        config.seq,
+        config.hidden,
+        config.heads,
+        config.ffn,
+        config.layers,
+        config.moe_experts,
+    )
+
+
+def _bytes(dtype: torch.dtype | None, what: str) -> int:
+    if dtype is None:
+        return 0
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"plan.estimate: {what} must be a floating-point torch.dtype, got {dtype}")
+    return dtype.itemsize
+
+
+def estimate(
+    model,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    zero: int = 0,
+    recompute: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    master_dtype: torch.dtype | None = None,
+    micro_batch: int,
+    seq_len: int,
+    num_microbatches: int = 1,
+    schedule: str = "1f1b",
+    optimizer: str = "adamw",
+    sequence_parallel: bool = False,
+    bucket_cap_mb: float = 25.0,
+) -> Estimate:
+    """What ``model`` trained at this layout costs each rank, as a steady step allocates it.
+
+    Args:
+        model: A :class:`torch_mp.models.GPTConfig` (or a :class:`~torch_mp.models.DenseGPT`,
+            on the meta device if it would not fit), trained as
+            :class:`torch_mp.models.Trainer3D` trains it.
+        tp, pp, dp, cp, ep: The mesh's sizes (cp and ep not estimated yet: they raise).
+        zero: 0 none; 1 the optimizer state sharded over the data ranks; 2 the gradients too;
+            3 the parameters too (at pp 1).
+        recompute: None, ``"selective"`` (the attention core) or ``"full"`` (each layer).
+        dtype: The parameters' and the compute's dtype.
+        master_dtype: The optimizer's fp32 masters (and fp32 main gradients) of a 16-bit model.
+            None: fp32 masters for a 16-bit ``dtype`` (the recipe, which implies ``zero >= 2``
+            as Trainer3D's ``bf16`` does), none for fp32; ``master_dtype=dtype``: none.
+        micro_batch, seq_len, num_microbatches: Each data rank's micro-batches per step.
+        schedule: The pipeline schedule (``torch_mp.pipeline.schedule_names()``); its most
+            micro-batches in flight come from walking its action list.
+        optimizer: ``"adamw"`` or ``"adam"`` (two moments per parameter), ``"sgd"`` (none).
+        sequence_parallel: Activations between the matmuls split over the tensor group.
+        bucket_cap_mb: DataParallel's and the distributed optimizer's bucket size.
+
+    Returns:
+        An :class:`Estimate`: one :data:`RankEstimate` per kind of rank (pipeline position),
+        bytes of one rank of that kind (every tensor and data rank alike: the vocabulary and
+        ZeRO's buckets are padded to the same size on each), with FLOPs and bytes sent.
+
+    Raises:
+        ValueError: Naming the setting, for sizes the layout cannot take or a setting not
+            estimated yet.
+    """
+    if master_dtype is None and dtype.itemsize < 4:
+        master_dtype = torch.float32
+    layout = {
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "cp": cp,
+        "ep": ep,
+        "zero": zero,
+        "recompute": "none" if recompute is None else recompute,
+        "sequence_parallel": sequence_parallel,
+        "dtype_bytes": _bytes(dtype, "dtype"),
+        "master_bytes": _bytes(master_dtype, "master_dtype"),
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "num_microbatches": num_microbatches,
+        "schedule": schedule,
+        "optimizer": optimizer,
+        "bucket_cap_mb": float(bucket_cap_mb),
+    }
+    try:
+        return _C.plan_estimate(*_shape(model), layout)
+    except RuntimeError as error:
+        raise ValueError(str(error).split("\nException raised from")[0]) from None

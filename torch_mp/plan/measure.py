@@ -1,0 +1,92 @@
+"""What a layout really allocates: the GPT trained for a few steps on the current ranks, its
+tensor memory counted at the dispatcher (:class:`torch_mp._memory.PeakMemory`). The estimate's
+tests and docs/plan.md hold :func:`torch_mp.plan.estimate` to these numbers."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import torch_mp
+from torch_mp._memory import PeakMemory
+
+__all__ = ["measure"]
+
+
+def measure(
+    model,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    zero: int = 0,
+    recompute: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    master_dtype: torch.dtype | None = None,
+    micro_batch: int,
+    seq_len: int,
+    num_microbatches: int = 1,
+    schedule: str = "1f1b",
+    optimizer: str = "adamw",
+    sequence_parallel: bool = False,
+    steps: int = 3,
+    mesh: torch_mp.Mesh | None = None,
+) -> dict[str, int]:
+    """Trains ``model`` (a :class:`torch_mp.models.GPTConfig`) laid out as given for ``steps``
+    optimizer steps (the third on a steady state: the buffers that alternate between steps are
+    all made by then) on this rank's share of random batches, and returns what this rank
+    allocated from building the stages on: ``{"peak": bytes, "states": bytes}``, the most alive
+    at once and what is left after the last step (parameters, gradients, optimizer state and
+    the buffers kept from step to step). The keywords are :func:`torch_mp.plan.estimate`'s;
+    ``mesh`` (the default mesh when None) must have the sizes given. A collective: every rank
+    calls it with the same arguments."""
+    from torch_mp.models import DenseGPT, GPTConfig, Trainer3D, TrainingOptions
+
+    if not isinstance(model, GPTConfig):
+        raise TypeError(f"plan.measure: model must be a GPTConfig, got {type(model).__name__}")
+    mesh = mesh if mesh is not None else torch_mp.get_mesh()
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+    have = {
+        "tp": mesh.tp_size,
+        "pp": mesh.pp_size,
+        "dp": mesh.dp_size,
+        "cp": mesh.cp_size,
+        "ep": mesh.ep_size,
+    }
+    if have != sizes:
+        raise ValueError(f"plan.measure: the mesh is {have}, the layout asks for {sizes}")
+    if optimizer != "adamw":
+        raise ValueError(f"plan.measure: trains with AdamW only, got optimizer={optimizer!r}")
+    bf16 = dtype == torch.bfloat16
+    if dtype not in (torch.float32, torch.bfloat16) or master_dtype not in (None, torch.float32):
+        raise ValueError(
+            "plan.measure: dtype float32, or bfloat16 with fp32 masters (master_dtype None or "
+            f"float32), got dtype={dtype}, master_dtype={master_dtype}"
+        )
+    options = TrainingOptions(
+        schedule=schedule,
+        microbatches=num_microbatches,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        zero=zero,
+        bf16=bf16,
+    )
+    torch.manual_seed(0)
+    dense = DenseGPT(model)
+    g = torch.Generator().manual_seed(1)
+    batch = micro_batch * num_microbatches
+    tokens = [torch.randint(model.vocab, (batch, seq_len + 1), generator=g) for _ in range(steps)]
+    gc.collect()
+    with PeakMemory() as memory:
+        trainer = Trainer3D(dense, mesh, options)
+        for batch_tokens in tokens:
+            trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
+        gc.collect()
+        states = memory.current
+    peak = memory.peak
+    del trainer
+    gc.collect()
+    return {"peak": peak, "states": states}
