@@ -118,15 +118,17 @@ def test_gpt_1x1x8_with_zero3_equals_one_process(world8):
     world8.run(_train_3d, 1, 1, "1f1b", False, False, 3)
 
 
-def _refuses_zero3_at_pp2() -> None:
+def _refuses_zero_it_cannot_run() -> None:
     torch.manual_seed(0)
     dense = DenseGPT(_config(Corpus().vocab))
     with pytest.raises(ValueError, match="ZeRO-3 .* at pp > 1"):
         Trainer3D(dense, use_mesh(1, 2), TrainingOptions(zero=3))
+    with pytest.raises(ValueError, match="ZeRO-2 with two stages on a rank"):
+        Trainer3D(dense, use_mesh(1, 2), TrainingOptions(zero=2, schedule="interleaved_1f1b"))
 
 
-def test_zero3_at_pp2_is_refused(world2):
-    world2.run(_refuses_zero3_at_pp2)
+def test_zero3_at_pp2_and_zero2_interleaved_are_refused(world2):
+    world2.run(_refuses_zero_it_cannot_run)
 
 
 @pytest.mark.parametrize(

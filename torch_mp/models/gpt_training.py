@@ -96,6 +96,12 @@ class Trainer3D:
                 "tie to the embedding sums whole gradients across the pipeline, which ZeRO-3 "
                 "has already reduce-scattered; use zero=2 or pp=1"
             )
+        if zero >= 2 and len(self.stages) > 1:
+            raise ValueError(
+                f"TrainingOptions: ZeRO-{zero} with two stages on a rank ({options.schedule}): "
+                "each stage is its own DataParallel, which one DistributedOptimizer cannot "
+                "span; use zero=1 or a schedule of one stage per rank"
+            )
         if options.ddp and zero >= 2:
             raise ValueError(
                 "TrainingOptions: ZeRO-2 and -3 (zero=2, 3 or bf16) need torch_mp.DataParallel"

@@ -38,10 +38,11 @@ def measure(
     """Trains ``model`` (a :class:`torch_mp.models.GPTConfig`) laid out as given for ``steps``
     optimizer steps (the third on a steady state: the buffers that alternate between steps are
     all made by then) on this rank's share of random batches, and returns what this rank
-    allocated from building the stages on: ``{"peak": bytes, "states": bytes}``, the most alive
-    at once and what is left after the last step (parameters, gradients, optimizer state and
-    the buffers kept from step to step). The keywords are :func:`torch_mp.plan.estimate`'s;
-    ``mesh`` (the default mesh when None) must have the sizes given. A collective: every rank
+    allocated from building the stages on: ``{"peak": bytes, "states": bytes,
+    "pipeline_rank": int}``, the most alive at once and what is left after the last step
+    (parameters, gradients, optimizer state and the buffers kept from step to step). The
+    keywords are :func:`torch_mp.plan.estimate`'s; ``mesh`` (the default mesh when None) must
+    have the sizes given. A collective: every rank
     calls it with the same arguments."""
     from torch_mp.models import DenseGPT, GPTConfig, Trainer3D, TrainingOptions
 
@@ -80,13 +81,18 @@ def measure(
     batch = micro_batch * num_microbatches
     tokens = [torch.randint(model.vocab, (batch, seq_len + 1), generator=g) for _ in range(steps)]
     gc.collect()
-    with PeakMemory() as memory:
-        trainer = Trainer3D(dense, mesh, options)
-        for batch_tokens in tokens:
-            trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
-        gc.collect()
-        states = memory.current
+    previous = torch_mp.mesh.find_mesh()
+    torch_mp.set_mesh(mesh)  # (for whatever in the stages looks for the default mesh)
+    try:
+        with PeakMemory() as memory:
+            trainer = Trainer3D(dense, mesh, options)
+            for batch_tokens in tokens:
+                trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
+            gc.collect()
+            states = memory.current
+        del trainer
+    finally:
+        torch_mp.set_mesh(previous)
     peak = memory.peak
-    del trainer
     gc.collect()
-    return {"peak": peak, "states": states}
+    return {"peak": peak, "states": states, "pipeline_rank": mesh.pp_rank}

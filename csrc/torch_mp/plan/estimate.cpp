@@ -188,7 +188,19 @@ Walk walk(const pipeline::Schedule& schedule,
           int64_t param_grad_bytes,
           int64_t gathered) {
   std::map<std::pair<int64_t, int64_t>, int64_t> live;
+  // Messages (an activation or its gradient, packed with its header) held for each neighbouring
+  // pipeline rank: per micro-batch in flight (two at most) one each way, a send not yet waited
+  // for and a receive.
   const int64_t message = static_cast<int64_t>(z.d * z.n * z.h * z.sigma) + 64;
+  std::set<int64_t> neighbours;
+  for (const int64_t i : schedule.stages_of_rank(rank)) {
+    for (const int64_t j : {i - 1, i + 1}) {
+      if (j >= 0 && j < z.stages && schedule.rank_of_stage(j) != rank) {
+        neighbours.insert(schedule.rank_of_stage(j));
+      }
+    }
+  }
+  const auto peers = static_cast<int64_t>(neighbours.size());
   bool gradients_made = false;
   Walk result;
   for (const auto& action : schedule.actions[static_cast<size_t>(rank)]) {
@@ -212,7 +224,7 @@ Walk walk(const pipeline::Schedule& schedule,
     // (with fp32 main gradients the backward adds into them: no .grad accumulates)
     const int64_t accumulating = gradients_made && !z.masters ? param_grad_bytes : 0;
     const int64_t buffers =
-        (l.pp > 1 ? 2 * static_cast<int64_t>(live.size()) * message : 0) + gathered;
+        2 * std::min<int64_t>(static_cast<int64_t>(live.size()), 2) * peers * message + gathered;
     const int64_t total = held + transient + accumulating + buffers;
     if (total > result.worst) {
       result = {total, held + transient, accumulating, buffers, result.in_flight};
@@ -258,6 +270,13 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
           ? 2
           : 1;
   const int64_t stages = l.pp * stages_per_rank;
+  TORCH_CHECK(l.zero < 2 || stages_per_rank == 1,
+              "plan.estimate: ZeRO-",
+              l.zero,
+              " with two stages per rank (",
+              l.schedule,
+              ") is not supported: each stage is its own DataParallel, which one "
+              "DistributedOptimizer cannot span; use zero=1 or a schedule of one stage per rank");
   TORCH_CHECK(model.layers % stages == 0,
               "plan.estimate: ",
               model.layers,
@@ -345,19 +364,23 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
     row.pipeline_ranks = {r};
     rows.push_back(row);
   }
-  // One row per distinct kind of rank.
-  for (size_t r = 0; r < rows.size(); ++r) {
-    RankEstimate& row = rows[r];
-    const bool holds_first = r == 0, holds_last = r + 1 == rows.size();
-    row.kind = holds_first && holds_last ? "every rank"
-               : holds_first             ? "first stage"
-               : holds_last              ? "last stage"
-                                         : "middle stages";
+  // One row per kind of rank: the first stage's, the last's, and the middle ones' (one row for
+  // those that come out the same, "pipeline rank r" for one that does not).
+  const int64_t last = l.pp - 1;
+  for (int64_t r = 0; r <= last; ++r) {
+    RankEstimate& row = rows[static_cast<size_t>(r)];
+    row.kind = r == 0 && r == last ? "every rank"
+               : r == 0            ? "first stage"
+               : r == last         ? "last stage"
+                                   : "pipeline rank " + std::to_string(r);
     auto same = std::find_if(result.ranks.begin(), result.ranks.end(), [&](const RankEstimate& e) {
-      return e.kind == row.kind && e.peak == row.peak && e.between_steps() == row.between_steps();
+      const int64_t other = e.pipeline_ranks[0];
+      return r != last && other != 0 && e.peak == row.peak &&
+             e.between_steps() == row.between_steps();
     });
     if (same != result.ranks.end()) {
-      same->pipeline_ranks.push_back(row.pipeline_ranks[0]);
+      same->pipeline_ranks.push_back(r);
+      same->kind = "middle stages";
     } else {
       result.ranks.push_back(row);
     }

@@ -1,0 +1,127 @@
+"""torch_mp.plan.estimate against what the ranks allocate (torch_mp.plan.measure): every layout
+of torch_mp.plan.validation.LAYOUTS at 1, 2 and 4 ranks, the peak within 5 % and what stays
+between steps (parameters, gradients, optimizer state, ZeRO's staging) within 2 %; the
+estimate's structure (rows, micro-batches in flight from the schedule) and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import use_mesh
+
+from torch_mp import plan
+from torch_mp.models import DenseGPT, GPTConfig
+from torch_mp.plan.validation import CONFIG, LAYOUTS, PEAK_BOUND, STATES_BOUND, compare
+
+SMALL = {"micro_batch": 2, "seq_len": 64}
+
+
+def _validate(world_size: int) -> list[str]:
+    layouts = LAYOUTS[world_size]
+    meshes = {
+        (layout.get("tp", 1), layout.get("pp", 1)): use_mesh(
+            layout.get("tp", 1), layout.get("pp", 1)
+        )
+        for layout in layouts
+    }
+    rows = compare(layouts, meshes)
+    return [
+        f"{r.layout} ({r.kind}): peak {100 * r.peak_error:+.2f} %, "
+        f"between steps {100 * r.states_error:+.3f} %"
+        for r in rows
+        if abs(r.peak_error) > PEAK_BOUND or abs(r.states_error) > STATES_BOUND
+    ]
+
+
+def test_the_estimate_is_within_its_bounds_of_what_the_ranks_allocate(world):
+    failures = world.run(_validate, world.size)[0]
+    assert not failures, "\n".join(failures)
+
+
+def test_there_are_at_least_twelve_layouts_covering_every_setting():
+    layouts = [layout for size in (2, 4) for layout in LAYOUTS[size]]
+    assert len(layouts) >= 12
+    seen = {key: {layout.get(key) for layout in layouts} for key in ("zero", "recompute")}
+    assert {None, 1, 2, 3} <= seen["zero"] and {None, "selective", "full"} <= seen["recompute"]
+    assert any(layout.get("dtype") == torch.bfloat16 for layout in layouts)
+    for key in ("tp", "pp", "dp"):
+        assert any(layout.get(key, 1) > 1 for layout in layouts), key
+
+
+def test_rows_name_each_kind_of_rank():
+    assert [r.kind for r in plan.estimate(CONFIG, **SMALL).ranks] == ["every rank"]
+    rows = plan.estimate(CONFIG, pp=4, num_microbatches=8, **SMALL).ranks
+    assert [r.kind for r in rows] == [
+        "first stage",
+        "pipeline rank 1",
+        "pipeline rank 2",
+        "last stage",
+    ]
+    assert [r.pipeline_ranks for r in rows] == [[0], [1], [2], [3]]
+    wide = GPTConfig(vocab=65, seq=64, hidden=64, heads=4, ffn=256, layers=8)
+    rows = plan.estimate(wide, pp=4, schedule="gpipe", num_microbatches=4, **SMALL).ranks
+    assert [(r.kind, r.pipeline_ranks) for r in rows] == [
+        ("first stage", [0]),
+        ("middle stages", [1, 2]),
+        ("last stage", [3]),
+    ]
+
+
+def test_micro_batches_in_flight_come_from_the_schedule():
+    def in_flight(schedule: str, m: int = 8) -> list[int]:
+        rows = plan.estimate(CONFIG, pp=4, schedule=schedule, num_microbatches=m, **SMALL).ranks
+        return [r.microbatches_in_flight for r in rows for _ in r.pipeline_ranks]
+
+    assert in_flight("gpipe") == [8, 8, 8, 8]
+    assert in_flight("1f1b") == [4, 3, 2, 1]
+    gpipe = plan.estimate(CONFIG, pp=2, schedule="gpipe", num_microbatches=4, **SMALL).ranks[0]
+    one_f_one_b = plan.estimate(CONFIG, pp=2, num_microbatches=4, **SMALL).ranks[0]
+    assert gpipe.activations > one_f_one_b.activations
+    assert gpipe.between_steps == one_f_one_b.between_steps
+
+
+def test_the_parts_add_up_and_zero_shrinks_the_states():
+    states = []
+    for zero in range(4):
+        (row,) = plan.estimate(CONFIG, dp=4, zero=zero, **SMALL).ranks
+        assert row.between_steps == (
+            row.parameters + row.gradients + row.optimizer_state + row.persistent_buffers
+        )
+        assert row.peak >= row.between_steps + row.activations
+        states.append(row.parameters + row.gradients + row.optimizer_state)
+    assert states[0] > states[1] > states[2] > states[3]
+    params = sum(p.numel() for p in DenseGPT(CONFIG).parameters())
+    assert states[0] == 16 * params  # fp32 parameters and gradients, AdamW's two moments
+
+
+def test_a_meta_model_is_estimated_from_its_config():
+    with torch.device("meta"):
+        model = DenseGPT(CONFIG)
+    assert (
+        plan.estimate(model, **SMALL).ranks[0].peak == plan.estimate(CONFIG, **SMALL).ranks[0].peak
+    )
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"tp": 3}, "divisible by tp=3"),
+        ({"pp": 3}, "4 layers cannot be cut into 3 equal stages"),
+        ({"cp": 2}, "not estimated yet"),
+        ({"zero": 3, "pp": 2}, "ZeRO-3"),
+        ({"zero": 2, "pp": 2, "schedule": "interleaved_1f1b", "num_microbatches": 4}, "ZeRO-2"),
+        ({"schedule": "looped"}, 'unknown schedule "looped"'),
+        ({"optimizer": "lion"}, "optimizer must be"),
+        ({"recompute": "most"}, "recompute must be"),
+        ({"seq_len": 65}, "exceeds the model's 64 positions"),
+        ({"tp": 2, "sequence_parallel": True, "seq_len": 63}, "sequence parallelism"),
+    ],
+)
+def test_a_layout_the_model_cannot_take_is_refused_by_name(keywords, message):
+    with pytest.raises(ValueError, match=message):
+        plan.estimate(CONFIG, **{**SMALL, **keywords})
+
+
+def test_other_models_are_refused_clearly():
+    with pytest.raises(TypeError, match="not estimated yet"):
+        plan.estimate(torch.nn.Linear(2, 2), **SMALL)
