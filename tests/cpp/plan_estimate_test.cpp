@@ -1,0 +1,94 @@
+// The estimate's arithmetic on the C++ side (plan/estimate.h): model states by hand, the
+// schedule's micro-batches in flight, rows by rank kind, and refusals naming the setting. Its
+// agreement with what the ranks allocate is tested from Python (tests/python/test_plan.py).
+
+#include <gtest/gtest.h>
+
+#include "tensor_checks.h"
+#include "torch_mp/plan/estimate.h"
+
+namespace torch_mp::plan {
+namespace {
+
+using testing::error_of;
+using testing::mentions;
+
+// torch_mp.models' small GPT: 205,504 parameters.
+const ModelShape kGpt{65, 64, 64, 4, 256, 4, 0};
+constexpr int64_t kParameters =
+    65 * 64 + 64 * 64 + 4 * (3 * 64 * 64 + 64 * 64 + 2 * 64 * 256 + 2 * 64) + 2 * 64;
+
+Layout layout(int64_t dp = 1, int zero = 0) {
+  Layout l;
+  l.dp = dp;
+  l.zero = zero;
+  l.micro_batch = 2;
+  l.seq_len = 64;
+  return l;
+}
+
+TEST(PlanEstimate, ModelStatesAreSixteenBytesAParameterAndZeroShardsThem) {
+  const RankEstimate plain = estimate(kGpt, layout()).ranks.at(0);
+  EXPECT_EQ(plain.kind, "every rank");
+  EXPECT_EQ(plain.parameters, 4 * kParameters);
+  EXPECT_EQ(plain.gradients, 4 * kParameters);
+  EXPECT_EQ(plain.optimizer_state, 8 * kParameters);
+  // ZeRO-1 at dp 4: the moments of a quarter (the bucket padded to a multiple of 4).
+  const RankEstimate zero1 = estimate(kGpt, layout(4, 1)).ranks.at(0);
+  EXPECT_EQ(zero1.optimizer_state, 8 * ((kParameters + 3) / 4));
+  // bf16 with fp32 masters: 2-byte parameters, fp32 main gradients (whole buckets), masters.
+  Layout bf16 = layout(2, 2);
+  bf16.dtype_bytes = 2;
+  bf16.master_bytes = 4;
+  const RankEstimate mixed = estimate(kGpt, bf16).ranks.at(0);
+  EXPECT_EQ(mixed.parameters, 2 * kParameters);
+  EXPECT_EQ(mixed.gradients, 4 * kParameters);
+  EXPECT_EQ(mixed.optimizer_state, 12 * kParameters / 2);
+  EXPECT_EQ(mixed.persistent_buffers, 0);
+}
+
+TEST(PlanEstimate, MicrobatchesInFlightComeFromTheSchedule) {
+  Layout l = layout();
+  l.pp = 4;
+  l.num_microbatches = 8;
+  std::vector<int64_t> one_f_one_b;
+  for (const auto& row : estimate(kGpt, l).ranks) {
+    one_f_one_b.push_back(row.microbatches_in_flight);
+  }
+  EXPECT_EQ(one_f_one_b, (std::vector<int64_t>{4, 3, 2, 1}));
+  l.schedule = "gpipe";
+  for (const auto& row : estimate(kGpt, l).ranks) {
+    EXPECT_EQ(row.microbatches_in_flight, 8) << row.kind;
+  }
+}
+
+TEST(PlanEstimate, RecomputationAndSequenceParallelismShrinkTheActivations) {
+  Layout l = layout();
+  l.tp = 2;
+  const int64_t none = estimate(kGpt, l).ranks.at(0).activations_per_microbatch;
+  l.recompute = Recompute::kSelective;
+  const int64_t selective = estimate(kGpt, l).ranks.at(0).activations_per_microbatch;
+  l.recompute = Recompute::kFull;
+  const int64_t full = estimate(kGpt, l).ranks.at(0).activations_per_microbatch;
+  l.recompute = Recompute::kNone;
+  l.sequence_parallel = true;
+  const int64_t sequence_parallel = estimate(kGpt, l).ranks.at(0).activations_per_microbatch;
+  EXPECT_GT(none, selective);
+  EXPECT_GT(selective, full);
+  EXPECT_GT(none, sequence_parallel);
+}
+
+TEST(PlanEstimate, ALayoutTheModelCannotTakeIsRefusedByName) {
+  Layout l = layout();
+  l.tp = 3;
+  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "divisible by tp=3"));
+  l = layout();
+  l.cp = 2;
+  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "not estimated yet"));
+  l = layout();
+  l.schedule = "looped";
+  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "unknown schedule \"looped\""));
+}
+
+}  // namespace
+}  // namespace torch_mp::plan
