@@ -1,5 +1,5 @@
 // Bindings of the estimate (csrc/torch_mp/plan/estimate.h): torch_mp._C.plan_estimate, which
-// torch_mp.plan.estimate calls with plain sizes. Argument conversion only.
+// torch_mp.plan.estimate calls with plain sizes and dicts. Argument conversion only.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -42,14 +42,36 @@ void bind_plan(py::module_& m) {
          int64_t ffn,
          int64_t layers,
          int64_t experts,
-         const py::dict& layout) {
+         const py::dict& layout,
+         const py::object& traced) {
         plan::ModelShape model{vocab, positions, hidden, heads, ffn, layers, experts};
-        plan::Layout l;
-        const auto get = [&](const char* key, auto& field) {
-          if (layout.contains(key)) {
-            field = layout[key].cast<std::decay_t<decltype(field)>>();
-          }
+        const auto from = [](const py::dict& fields) {
+          return [&fields](const char* key, auto& field) {
+            if (fields.contains(key)) {
+              field = fields[key].cast<std::decay_t<decltype(field)>>();
+            }
+          };
         };
+        if (!traced.is_none()) {
+          const auto fields = traced.cast<py::dict>();
+          const auto take = from(fields);
+          plan::Traced t;
+          take("layer_parameters", t.layer_parameters);
+          take("first_parameters", t.first_parameters);
+          take("last_parameters", t.last_parameters);
+          take("tied_head", t.tied_head);
+          take("layer_activations", t.layer_activations);
+          take("layer_input", t.layer_input);
+          take("layer_backward", t.layer_backward);
+          take("first_activations", t.first_activations);
+          take("last_activations", t.last_activations);
+          take("last_backward", t.last_backward);
+          take("layer_flops", t.layer_flops);
+          take("last_flops", t.last_flops);
+          model.traced = std::move(t);
+        }
+        plan::Layout l;
+        const auto get = from(layout);
         get("tp", l.tp);
         get("pp", l.pp);
         get("dp", l.dp);
@@ -79,7 +101,17 @@ void bind_plan(py::module_& m) {
         }
         return plan::estimate(model, l);
       },
-      "torch_mp::plan::estimate over a dict of the layout's fields");
+      py::arg("vocab"),
+      py::arg("positions"),
+      py::arg("hidden"),
+      py::arg("heads"),
+      py::arg("ffn"),
+      py::arg("layers"),
+      py::arg("experts"),
+      py::arg("layout"),
+      py::arg("traced") = py::none(),
+      "torch_mp::plan::estimate over dicts of the layout's fields and a traced model's "
+      "(plan::Traced)");
 }
 
 }  // namespace torch_mp::python

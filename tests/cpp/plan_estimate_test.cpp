@@ -14,7 +14,7 @@ using testing::error_of;
 using testing::mentions;
 
 // torch_mp.models' small GPT: 205,504 parameters.
-const ModelShape kGpt{65, 64, 64, 4, 256, 4, 0};
+const ModelShape kGpt{65, 64, 64, 4, 256, 4, 0, std::nullopt};
 constexpr int64_t kParameters =
     65 * 64 + 64 * 64 + 4 * (3 * 64 * 64 + 64 * 64 + 2 * 64 * 256 + 2 * 64) + 2 * 64;
 
@@ -76,6 +76,40 @@ TEST(PlanEstimate, RecomputationAndSequenceParallelismShrinkTheActivations) {
   EXPECT_GT(none, selective);
   EXPECT_GT(selective, full);
   EXPECT_GT(none, sequence_parallel);
+}
+
+// A traced model (plan::Traced, as torch_mp.plan measures a Hugging Face decoder) of the GPT's
+// own shapes holds the same model states, and its measured bytes are what the walk adds up.
+TEST(PlanEstimate, ATracedModelIsCountedFromItsShapesAndMeasuredBytes) {
+  Traced traced;
+  traced.first_parameters = {{65, 64}, {64, 64}};
+  traced.layer_parameters = {{192, 64}, {64, 64}, {64}, {64}, {256, 64}, {64, 256}};
+  traced.last_parameters = {{64}, {64}};
+  traced.tied_head = true;
+  traced.layer_activations = 1000;
+  traced.layer_input = 100;
+  traced.layer_backward = 50;
+  traced.first_activations = 10;
+  traced.last_activations = 20;
+  traced.last_backward = 5000;
+  ModelShape model = kGpt;
+  model.traced = traced;
+  const RankEstimate plain = estimate(kGpt, layout(2, 1)).ranks.at(0);
+  const RankEstimate row = estimate(model, layout(2, 1)).ranks.at(0);
+  EXPECT_EQ(row.parameters, plain.parameters);
+  EXPECT_EQ(row.optimizer_state, plain.optimizer_state);
+  EXPECT_EQ(row.activations_per_microbatch, 4 * 1000 + 10 + 20);
+  EXPECT_EQ(row.activations, row.activations_per_microbatch + 5000);  // the head's backward
+  Layout full = layout();
+  full.recompute = Recompute::kFull;
+  EXPECT_EQ(estimate(model, full).ranks.at(0).activations_per_microbatch, 4 * 100 + 10 + 20);
+  // At pp 2 the tied head is a copy on the last stage.
+  Layout split = layout();
+  split.pp = 2;
+  const auto rows = estimate(model, split).ranks;
+  EXPECT_EQ(rows.at(1).parameters - rows.at(0).parameters, 4 * (2 * 64 - 64 * 64));
+  full.recompute = Recompute::kSelective;
+  EXPECT_TRUE(mentions(error_of([&] { estimate(model, full); }), "recompute None or \"full\""));
 }
 
 TEST(PlanEstimate, ALayoutTheModelCannotTakeIsRefusedByName) {

@@ -37,30 +37,36 @@ void check(const ModelShape& model, const Layout& l) {
               l.ep,
               ", experts=",
               model.experts);
-  TORCH_CHECK(model.hidden % model.heads == 0,
-              "plan.estimate: hidden (",
-              model.hidden,
-              ") is not divisible by heads (",
-              model.heads,
-              ")");
-  TORCH_CHECK(model.heads % l.tp == 0 && model.ffn % l.tp == 0,
-              "plan.estimate: heads (",
-              model.heads,
-              ") and ffn (",
-              model.ffn,
-              ") must be divisible by tp=",
-              l.tp);
+  if (model.traced) {  // (torch_mp.plan checked the config's sizes against tp when tracing)
+    TORCH_CHECK(l.recompute != Recompute::kSelective && !l.sequence_parallel,
+                "plan.estimate: selective recomputation and sequence parallelism are torch_mp's "
+                "GPT layers' (torch_mp.models); a traced model takes recompute None or \"full\"");
+  } else {
+    TORCH_CHECK(model.hidden % model.heads == 0,
+                "plan.estimate: hidden (",
+                model.hidden,
+                ") is not divisible by heads (",
+                model.heads,
+                ")");
+    TORCH_CHECK(model.heads % l.tp == 0 && model.ffn % l.tp == 0,
+                "plan.estimate: heads (",
+                model.heads,
+                ") and ffn (",
+                model.ffn,
+                ") must be divisible by tp=",
+                l.tp);
+    TORCH_CHECK(l.seq_len <= model.positions,
+                "plan.estimate: seq_len=",
+                l.seq_len,
+                " exceeds the model's ",
+                model.positions,
+                " positions");
+  }
   TORCH_CHECK(!l.sequence_parallel || l.seq_len % l.tp == 0,
               "plan.estimate: sequence parallelism needs seq_len (",
               l.seq_len,
               ") divisible by tp=",
               l.tp);
-  TORCH_CHECK(l.seq_len <= model.positions,
-              "plan.estimate: seq_len=",
-              l.seq_len,
-              " exceeds the model's ",
-              model.positions,
-              " positions");
   TORCH_CHECK(l.zero >= 0 && l.zero <= 3, "plan.estimate: zero must be 0, 1, 2 or 3, got ", l.zero);
   TORCH_CHECK(l.zero < 3 || l.pp == 1,
               "plan.estimate: ZeRO-3 (zero=3) at pp > 1 is not supported (the head's tie to the "
@@ -80,7 +86,47 @@ struct Sizes {
   int64_t t, h, f, heads, vocab_shard, positions, n, s, d, stages, per_stage;
   double sigma;  // share of the tokens each tensor rank holds between the layers' matmuls
   bool masters;
+  const Traced* traced;  // a traced model's measurements, or null for the GPT's formulas
 };
+
+using Shapes = std::vector<std::vector<int64_t>>;
+
+// One tensor rank's parameter shapes: the first stage's before its layers, each layer's, and the
+// last stage's after them.
+struct Parts {
+  Shapes first, layer, last;
+};
+
+Parts parts_of(const Sizes& z) {
+  const bool split = z.stages > 1;
+  if (z.traced != nullptr) {
+    Parts parts{z.traced->first_parameters, z.traced->layer_parameters, z.traced->last_parameters};
+    if (z.traced->tied_head && split) {
+      parts.last.push_back(parts.first.at(0));  // the head: a copy of the token embedding
+    }
+    return parts;
+  }
+  const int64_t h = z.h, t = z.t;
+  Parts parts{
+      // the token embedding (padded to a multiple of tp rows), the whole position table
+      {{z.vocab_shard, h}, {z.positions, h}},
+      // in_proj, out_proj, norm1 and norm2 (no biases), linear1, linear2
+      {{3 * h / t, h}, {h, h / t}, {h}, {h}, {z.f / t, h}, {h, z.f / t}},
+      {{h}, {h}},  // the final norm's weight and bias
+  };
+  if (split) {
+    parts.last.push_back({z.vocab_shard, h});  // the head: a copy of the token embedding
+  }
+  return parts;
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (const int64_t size : shape) {
+    n *= size;
+  }
+  return n;
+}
 
 // Parameters of stage `i`, in the order the stage holds them, each with its ZeRO-3 unit (0 for
 // the ends, 1 + j for the stage's layer j).
@@ -88,30 +134,21 @@ void stage_parameters(const Sizes& z,
                       int64_t i,
                       std::vector<int64_t>& numel,
                       std::vector<size_t>& unit) {
-  const bool first = i == 0, last = i == z.stages - 1;
-  const auto add = [&](int64_t n, size_t u) {
-    numel.push_back(n);
-    unit.push_back(u);
+  const Parts parts = parts_of(z);
+  const auto add = [&](const Shapes& shapes, size_t u) {
+    for (const auto& shape : shapes) {
+      numel.push_back(numel_of(shape));
+      unit.push_back(u);
+    }
   };
-  if (first) {
-    add(z.vocab_shard * z.h, 0);  // token embedding (padded to a multiple of tp rows)
-    add(z.positions * z.h, 0);    // positions (the whole table, replicated)
+  if (i == 0) {
+    add(parts.first, 0);
   }
   for (int64_t j = 0; j < z.per_stage; ++j) {
-    const size_t u = static_cast<size_t>(1 + j);
-    add(3 * z.h / z.t * z.h, u);  // in_proj
-    add(z.h * z.h / z.t, u);      // out_proj
-    add(z.h, u);                  // norm1 (no bias)
-    add(z.h, u);                  // norm2
-    add(z.f / z.t * z.h, u);      // linear1
-    add(z.h * z.f / z.t, u);      // linear2
+    add(parts.layer, static_cast<size_t>(1 + j));
   }
-  if (last) {
-    add(z.h, 0);  // final norm weight
-    add(z.h, 0);  // and bias
-    if (!first) {
-      add(z.vocab_shard * z.h, 0);  // the head: a copy of the token embedding
-    }
+  if (i == z.stages - 1) {
+    add(parts.last, 0);
   }
 }
 
@@ -133,6 +170,9 @@ ShardLayout buckets_of(const std::vector<int64_t>& numel,
 // sequence parallelism) and statistics, q/k/v, the attention's output and log-sum-exp (fp32),
 // and the MLP's two [n, f/t] (before and after gelu).
 int64_t layer_full(const Sizes& z) {
+  if (z.traced != nullptr) {
+    return z.traced->layer_activations;
+  }
   const double per_token =
       z.d * (2.0 * z.h + 2.0 * z.h * z.sigma + 4.0 * z.h / z.t + 2.0 * z.f / z.t + 2.0 * z.sigma) +
       4.0 * z.heads / z.t;
@@ -142,7 +182,8 @@ int64_t layer_full(const Sizes& z) {
 int64_t layer_saved(const Sizes& z, Recompute recompute) {
   switch (recompute) {
     case Recompute::kFull:  // its input only
-      return static_cast<int64_t>(z.d * z.n * z.h * z.sigma);
+      return z.traced != nullptr ? z.traced->layer_input
+                                 : static_cast<int64_t>(z.d * z.n * z.h * z.sigma);
     case Recompute::kSelective:  // the attention core's log-sum-exp is recomputed
       return layer_full(z) - 4 * z.n * z.heads / z.t;
     case Recompute::kNone:
@@ -153,6 +194,10 @@ int64_t layer_saved(const Sizes& z, Recompute recompute) {
 
 int64_t stage_activations(const Sizes& z, const Layout& l, int64_t i) {
   int64_t bytes = z.per_stage * layer_saved(z, l.recompute);
+  if (z.traced != nullptr) {
+    return bytes + (i == 0 ? z.traced->first_activations : 0) +
+           (i == z.stages - 1 ? z.traced->last_activations : 0);
+  }
   const int64_t residual = static_cast<int64_t>(z.d * z.n * z.h * z.sigma);
   if (i == 0) {  // token ids (with tp: clamped and the out-of-shard mask), positions, the sum
     bytes += z.n * 8 + (z.t > 1 ? z.n * 9 : 0) + z.s * 8 + residual;
@@ -164,13 +209,30 @@ int64_t stage_activations(const Sizes& z, const Layout& l, int64_t i) {
   return bytes;
 }
 
-// Held after a split backward's B until its W: the gradients of each weight's output.
+// Held after a split backward's B until its W: the gradients of each weight's output (each
+// matrix's rows, per token), the head's included.
 int64_t weight_work(const Sizes& z, int64_t i) {
-  int64_t bytes = z.per_stage * z.d * z.n * (z.f / z.t + 2 * z.h + 3 * z.h / z.t);
+  int64_t rows = 0;
+  for (const auto& shape : parts_of(z).layer) {
+    rows += shape.size() == 2 ? shape[0] : 0;
+  }
+  int64_t bytes = z.per_stage * z.d * z.n * rows;
   if (i == z.stages - 1) {
     bytes += z.d * z.n * z.vocab_shard;
   }
   return bytes;
+}
+
+// What a backward action holds beyond the saved activations while it runs: a recomputed
+// layer's activations, and the gradients being made (the GPT's largest: the MLP's).
+int64_t backward_transient(const Sizes& z, const Layout& l, int64_t stage, bool weight) {
+  const int64_t recomputed = l.recompute == Recompute::kFull ? layer_full(z) : 0;
+  if (z.traced != nullptr) {
+    const int64_t layer = z.traced->layer_backward + recomputed;
+    return stage == z.stages - 1 && !weight ? std::max(layer, z.traced->last_backward) : layer;
+  }
+  return weight ? z.d * 3 * z.h / z.t * (z.n + z.h)
+                : z.d * (z.n * z.f / z.t + z.h * z.f / z.t + z.n * z.h) + recomputed;
 }
 
 struct Walk {
@@ -218,9 +280,7 @@ Walk walk(const pipeline::Schedule& schedule,
     for (const auto& entry : live) {
       held += entry.second;
     }
-    const int64_t transient = weight ? z.d * 3 * z.h / z.t * (z.n + z.h)
-                                     : z.d * (z.n * z.f / z.t + z.h * z.f / z.t + z.n * z.h) +
-                                           (l.recompute == Recompute::kFull ? layer_full(z) : 0);
+    const int64_t transient = backward_transient(z, l, action.stage, weight);
     // (with fp32 main gradients the backward adds into them: no .grad accumulates)
     const int64_t accumulating = gradients_made && !z.masters ? param_grad_bytes : 0;
     const int64_t buffers =
@@ -241,6 +301,9 @@ Walk walk(const pipeline::Schedule& schedule,
 
 // Floating-point operations of one micro-batch's forward through stage `i`.
 double forward_flops(const Sizes& z, int64_t i) {
+  if (z.traced != nullptr) {
+    return z.per_stage * z.traced->layer_flops + (i == z.stages - 1 ? z.traced->last_flops : 0);
+  }
   const double matmuls = 2.0 * z.n * (4.0 * z.h * z.h + 2.0 * z.h * z.f) / z.t;
   const double attention = 2.0 * z.n * z.s * z.h / z.t;  // QK^T and AV, causal: half of 4nsh
   double flops = z.per_stage * (matmuls + attention);
@@ -299,7 +362,8 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
                 stages,
                 model.layers / stages,
                 l.sequence_parallel ? 1.0 / static_cast<double>(l.tp) : 1.0,
-                l.master_bytes != 0};
+                l.master_bytes != 0,
+                model.traced ? &*model.traced : nullptr};
   const auto schedule =
       pipeline::make_schedule(l.schedule, stages, l.num_microbatches, stages_per_rank);
   const int64_t moments = l.optimizer == "sgd" ? 0 : 2;
@@ -400,7 +464,7 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
     pp_bytes = std::max(pp_bytes, rank_pp);
   }
   result.flops_per_rank = flops;
-  const double ring = [&](int64_t size) { return 2.0 * (size - 1) / size; }(l.tp);
+  const double ring = 2.0 * static_cast<double>(l.tp - 1) / static_cast<double>(l.tp);
   // Per layer and micro-batch: two all-reduces of [n, h] forward and two backward (or, under
   // sequence parallelism, all-gathers and reduce-scatters of the same volume).
   result.bytes_sent["tp"] =

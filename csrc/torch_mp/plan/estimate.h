@@ -7,14 +7,35 @@
 // schedule's action list (pipeline::make_schedule), not from a formula.
 //
 // The model is the GPT of torch_mp.models (pre-LN layers without biases, learned positions, a
-// head tied to the token embedding), trained with AdamW by torch_mp.models.Trainer3D.
+// head tied to the token embedding), trained with AdamW by torch_mp.models.Trainer3D, or a model
+// traced by torch_mp.plan (a Hugging Face decoder: its shapes and saved bytes measured on fake
+// tensors at the layout's sizes, ModelShape::traced).
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace torch_mp::plan {
+
+/// A decoder measured on one tensor rank (torch_mp.plan traces it on fake tensors) at the
+/// layout's micro-batch, sequence length, dtype and tensor-parallel size: its parameters' shapes
+/// and the bytes its forward saves for the backward, where no formula of the GPT's applies.
+struct Traced {
+  std::vector<std::vector<int64_t>> layer_parameters;  ///< one decoder layer's
+  std::vector<std::vector<int64_t>> first_parameters;  ///< the token embedding (and positions)
+  std::vector<std::vector<int64_t>> last_parameters;   ///< the final norm and an untied head
+  bool tied_head = false;         ///< the head is the token embedding (a copy at pp > 1)
+  int64_t layer_activations = 0;  ///< saved by one layer per micro-batch
+  int64_t layer_input = 0;        ///< one layer's input (what full recomputation keeps)
+  int64_t layer_backward = 0;     ///< the most one layer's backward holds beyond its saved
+  int64_t first_activations = 0;  ///< saved by the embedding
+  int64_t last_activations = 0;   ///< saved by the final norm, the head and the loss
+  int64_t last_backward = 0;      ///< the most the head's and loss's backward hold beyond
+  double layer_flops = 0;         ///< one layer's forward
+  double last_flops = 0;          ///< the head's and the loss's forward
+};
 
 /// The model's sizes (torch_mp.models.GPTConfig's).
 struct ModelShape {
@@ -24,7 +45,8 @@ struct ModelShape {
   int64_t heads = 0;
   int64_t ffn = 0;
   int64_t layers = 0;
-  int64_t experts = 0;  ///< MoE experts per layer (0: dense MLPs)
+  int64_t experts = 0;           ///< MoE experts per layer (0: dense MLPs)
+  std::optional<Traced> traced;  ///< set: a traced decoder (positions and ffn unused)
 };
 
 enum class Recompute : uint8_t { kNone, kSelective, kFull };
