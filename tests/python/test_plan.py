@@ -125,3 +125,54 @@ def test_a_layout_the_model_cannot_take_is_refused_by_name(keywords, message):
 def test_other_models_are_refused_clearly():
     with pytest.raises(TypeError, match="not estimated yet"):
         plan.estimate(torch.nn.Linear(2, 2), **SMALL)
+
+
+# A small Hugging Face Llama (grouped key and value heads, an untied head), traced on fake tensors
+# and trained as examples/python/llama.py trains it. What stays between steps is held to 2 %;
+# the peak may not fall short by more than 5 % (measured: over by 3.4 to 17.5 %, the backward of
+# the head and the loss on fake tensors counting about four [tokens, vocab] fp32 buffers more than
+# the ranks allocate; the 5 % bound above is not met for decoders yet).
+DECODER_LAYOUTS = {
+    1: [{}, {"recompute": "full"}, {"dtype": torch.bfloat16}],
+    2: [{"dp": 2, "zero": 2}, {"tp": 2}, {"tp": 2, "recompute": "full"}],
+    4: [{"tp": 2, "dp": 2, "zero": 1}],
+}
+
+
+def _validate_decoder(world_size: int) -> list[str]:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    failures = []
+    for layout in DECODER_LAYOUTS[world_size]:
+        mesh = use_mesh(layout.get("tp", 1))
+        measured = plan.measure(config, mesh=mesh, **SMALL, **layout)
+        row = plan.estimate(config, **SMALL, **layout).ranks[0]
+        peak = row.peak / measured["peak"] - 1
+        states = row.between_steps / measured["states"] - 1
+        if peak < -PEAK_BOUND or abs(states) > STATES_BOUND:
+            failures.append(
+                f"{layout}: peak {100 * peak:+.2f} %, between steps {100 * states:+.3f} %"
+            )
+    return failures
+
+
+def test_a_hugging_face_decoder_is_estimated_from_its_trace(world):
+    failures = [f for rank in world.run(_validate_decoder, world.size) for f in rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_a_model_not_estimated_is_refused_by_its_type():
+    import transformers
+
+    with pytest.raises(TypeError, match="model_type 'mixtral': not estimated yet"):
+        plan.estimate(transformers.MixtralConfig(), **SMALL)

@@ -14,6 +14,7 @@ import torch
 
 from torch_mp import _C
 from torch_mp.plan.measure import measure
+from torch_mp.plan.trace import DECODERS, trace
 
 __all__ = ["Estimate", "RankEstimate", "estimate", "measure"]
 
@@ -28,24 +29,24 @@ RankEstimate = _C.RankEstimate
 Estimate = _C.Estimate
 
 
-def _shape(model) -> tuple[int, ...]:
-    from torch_mp.models import DenseGPT, GPTConfig
+def _shape(model, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype):
+    """The core's model arguments: the sizes, and for a Hugging Face decoder its trace."""
+    from torch_mp.models import GPTConfig
 
-    config = model.config if isinstance(model, DenseGPT) else model
-    if not isinstance(config, GPTConfig):
-        raise TypeError(
-            "plan.estimate: model must be a torch_mp.models.GPTConfig or a DenseGPT (on any "
-            f"device, the meta device included); got {type(model).__name__} (Hugging Face "
-            "configs and other modules are not estimated yet)"
-        )
-    return (
-        config.vocab,
-        config.seq,
-        config.hidden,
-        config.heads,
-        config.ffn,
-        config.layers,
-        config.moe_experts,
+    config = getattr(model, "config", model)  # (a DenseGPT's or a Hugging Face model's)
+    if isinstance(config, GPTConfig):
+        sizes = (config.vocab, config.seq, config.hidden, config.heads, config.ffn)
+        return (*sizes, config.layers, config.moe_experts), None
+    kind = getattr(config, "model_type", None)
+    if kind in DECODERS:
+        traced = trace(config, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
+        heads = config.num_attention_heads
+        sizes = (config.vocab_size, 0, config.hidden_size, heads, config.intermediate_size)
+        return (*sizes, config.num_hidden_layers, 0), traced
+    taken = "a torch_mp.models.GPTConfig or DenseGPT, or a Hugging Face config or model of "
+    raise TypeError(
+        f"plan.estimate: model must be {taken}model_type {', '.join(DECODERS)}; got "
+        f"{type(model).__name__}" + (f" (model_type {kind!r}: not estimated yet)" if kind else "")
     )
 
 
@@ -82,7 +83,10 @@ def estimate(
     Args:
         model: A :class:`torch_mp.models.GPTConfig` (or a :class:`~torch_mp.models.DenseGPT`,
             on the meta device if it would not fit), trained as
-            :class:`torch_mp.models.Trainer3D` trains it.
+            :class:`torch_mp.models.Trainer3D` trains it; or a Hugging Face Llama, Mistral or
+            Qwen2 config (or a model of one, on any device), split as ``torch_mp.parallelize``
+            with ``LLAMA_PLAN`` splits it and measured on fake tensors
+            (:mod:`torch_mp.plan.trace`).
         tp, pp, dp, cp, ep: The mesh's sizes (cp and ep not estimated yet: they raise).
         zero: 0 none; 1 the optimizer state sharded over the data ranks; 2 the gradients too;
             3 the parameters too (at pp 1).
@@ -128,6 +132,7 @@ def estimate(
         "bucket_cap_mb": float(bucket_cap_mb),
     }
     try:
-        return _C.plan_estimate(*_shape(model), layout)
+        sizes, traced = _shape(model, tp, micro_batch, seq_len, dtype)
+        return _C.plan_estimate(*sizes, layout, traced)
     except RuntimeError as error:
         raise ValueError(str(error).split("\nException raised from")[0]) from None

@@ -4,12 +4,14 @@ tests and docs/plan.md hold :func:`torch_mp.plan.estimate` to these numbers."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import torch
 
 import torch_mp
 from torch_mp._memory import PeakMemory
+from torch_mp.plan.trace import DECODERS
 
 __all__ = ["measure"]
 
@@ -46,8 +48,6 @@ def measure(
     calls it with the same arguments."""
     from torch_mp.models import DenseGPT, GPTConfig, Trainer3D, TrainingOptions
 
-    if not isinstance(model, GPTConfig):
-        raise TypeError(f"plan.measure: model must be a GPTConfig, got {type(model).__name__}")
     mesh = mesh if mesh is not None else torch_mp.get_mesh()
     sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
     have = {
@@ -59,6 +59,13 @@ def measure(
     }
     if have != sizes:
         raise ValueError(f"plan.measure: the mesh is {have}, the layout asks for {sizes}")
+    if not isinstance(model, GPTConfig):
+        if getattr(model, "model_type", None) not in DECODERS or pp > 1 or zero > 2 or cp > 1:
+            raise TypeError(
+                "plan.measure: model must be a GPTConfig, or a Hugging Face config of model_type "
+                f"{', '.join(DECODERS)} at pp 1, cp 1 and zero <= 2; got {type(model).__name__}"
+            )
+        return _measure_decoder(model, mesh, zero, recompute, dtype, micro_batch, seq_len, steps)
     if optimizer != "adamw":
         raise ValueError(f"plan.measure: trains with AdamW only, got optimizer={optimizer!r}")
     bf16 = dtype == torch.bfloat16
@@ -96,3 +103,62 @@ def measure(
     peak = memory.peak
     gc.collect()
     return {"peak": peak, "states": states, "pipeline_rank": mesh.pp_rank}
+
+
+def _measure_decoder(config, mesh, zero, recompute, dtype, micro_batch, seq_len, steps):
+    """A Hugging Face decoder trained as examples/python/llama.py trains it: split by
+    ``torch_mp.parallelize`` with ``LLAMA_PLAN``, under DataParallel (its gradients sharded at
+    ZeRO-2, fp32 main gradients in bf16), AdamW (the DistributedOptimizer at ZeRO-1/2, fp32
+    masters in bf16), every layer recomputed with ``recompute="full"``."""
+    import functools
+
+    import transformers
+
+    from torch_mp.parallelize import LLAMA_PLAN
+
+    if recompute not in (None, "full"):
+        raise ValueError(
+            f"plan.measure: a decoder takes recompute None or 'full', got {recompute!r}"
+        )
+    bf16 = dtype == torch.bfloat16
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    tokens = [
+        torch.randint(config.vocab_size, (micro_batch, seq_len), generator=g) for _ in range(steps)
+    ]
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    gc.collect()
+    with PeakMemory() as memory:
+        dense = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+        model = torch_mp.parallelize(dense, mesh, plan=LLAMA_PLAN)
+        del dense
+        if recompute == "full":
+            for layer in model.model.layers:
+                layer.forward = functools.partial(torch_mp.recompute, layer.forward)
+        sharded = zero >= 2 or bf16
+        wrapped = torch_mp.DataParallel(
+            model,
+            mesh=mesh,
+            shard_gradients=sharded,
+            grad_dtype=torch.float32 if bf16 else None,
+        )
+        if zero >= 1 or bf16:
+            optimizer = torch_mp.DistributedOptimizer(
+                model.parameters(),
+                torch.optim.AdamW,
+                mesh=mesh,
+                master_dtype=torch.float32 if bf16 else None,
+            )
+        else:
+            optimizer = torch.optim.AdamW(model.parameters())
+        gc.collect()
+        for ids in tokens:
+            optimizer.zero_grad()
+            wrapped(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+        gc.collect()
+        states = memory.current
+        del wrapped, model, optimizer
+    gc.collect()
+    return {"peak": memory.peak, "states": states, "pipeline_rank": mesh.pp_rank}
