@@ -1,5 +1,6 @@
-// Bindings of the estimate (csrc/torch_mp/plan/estimate.h): torch_mp._C.plan_estimate, which
-// torch_mp.plan.estimate calls with plain sizes and dicts. Argument conversion only.
+// Bindings of the estimate and the step time (csrc/torch_mp/plan/estimate.h, time.h):
+// torch_mp._C.plan_estimate and plan_step_time, which torch_mp.plan calls with plain sizes and
+// dicts. Argument conversion only.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -7,10 +8,57 @@
 #include <string>
 
 #include "torch_mp/plan/estimate.h"
+#include "torch_mp/plan/time.h"
 
 namespace py = pybind11;
 
 namespace torch_mp::python {
+
+namespace {
+
+// Sets `field` from `fields[key]` where the dict has it.
+auto setter(const py::dict& fields) {
+  return [&fields](const char* key, auto& field) {
+    if (fields.contains(key)) {
+      field = fields[key].cast<std::decay_t<decltype(field)>>();
+    }
+  };
+}
+
+plan::Layout layout_of(const py::dict& layout) {
+  plan::Layout l;
+  const auto get = setter(layout);
+  get("tp", l.tp);
+  get("pp", l.pp);
+  get("dp", l.dp);
+  get("cp", l.cp);
+  get("ep", l.ep);
+  get("zero", l.zero);
+  get("sequence_parallel", l.sequence_parallel);
+  get("dtype_bytes", l.dtype_bytes);
+  get("master_bytes", l.master_bytes);
+  get("micro_batch", l.micro_batch);
+  get("seq_len", l.seq_len);
+  get("num_microbatches", l.num_microbatches);
+  get("schedule", l.schedule);
+  get("optimizer", l.optimizer);
+  get("bucket_cap_mb", l.bucket_cap_mb);
+  std::string recompute = "none";
+  get("recompute", recompute);
+  if (recompute == "full") {
+    l.recompute = plan::Recompute::kFull;
+  } else if (recompute == "selective") {
+    l.recompute = plan::Recompute::kSelective;
+  } else {
+    TORCH_CHECK(recompute == "none",
+                "plan.estimate: recompute must be None, \"selective\" or \"full\", got \"",
+                recompute,
+                "\"");
+  }
+  return l;
+}
+
+}  // namespace
 
 void bind_plan(py::module_& m) {
   using plan::RankEstimate;
@@ -28,7 +76,18 @@ void bind_plan(py::module_& m) {
       .def_readonly("accumulating_gradients", &RankEstimate::accumulating_gradients)
       .def_readonly("peak", &RankEstimate::peak)
       .def_property_readonly("between_steps", &RankEstimate::between_steps);
-  py::class_<plan::Estimate>(m, "Estimate")
+  py::class_<plan::StepTime>(m, "StepTime")
+      .def_readonly("seconds", &plan::StepTime::seconds)
+      .def_readonly("forward", &plan::StepTime::forward)
+      .def_readonly("backward", &plan::StepTime::backward)
+      .def_readonly("pipeline", &plan::StepTime::pipeline)
+      .def_readonly("bubble_fraction", &plan::StepTime::bubble_fraction)
+      .def_readonly("data_parallel", &plan::StepTime::data_parallel)
+      .def_readonly("optimizer", &plan::StepTime::optimizer)
+      .def_readonly("tokens_per_second", &plan::StepTime::tokens_per_second)
+      .def_readonly("communication", &plan::StepTime::communication);
+  // (dynamic: torch_mp.plan.estimate attaches the step time of a machine as .time)
+  py::class_<plan::Estimate>(m, "Estimate", py::dynamic_attr())
       .def_readonly("ranks", &plan::Estimate::ranks)
       .def_readonly("flops_per_rank", &plan::Estimate::flops_per_rank)
       .def_readonly("bytes_sent", &plan::Estimate::bytes_sent)
@@ -45,16 +104,9 @@ void bind_plan(py::module_& m) {
          const py::dict& layout,
          const py::object& traced) {
         plan::ModelShape model{vocab, positions, hidden, heads, ffn, layers, experts};
-        const auto from = [](const py::dict& fields) {
-          return [&fields](const char* key, auto& field) {
-            if (fields.contains(key)) {
-              field = fields[key].cast<std::decay_t<decltype(field)>>();
-            }
-          };
-        };
         if (!traced.is_none()) {
           const auto fields = traced.cast<py::dict>();
-          const auto take = from(fields);
+          const auto take = setter(fields);
           plan::Traced t;
           take("layer_parameters", t.layer_parameters);
           take("first_parameters", t.first_parameters);
@@ -70,36 +122,7 @@ void bind_plan(py::module_& m) {
           take("last_flops", t.last_flops);
           model.traced = std::move(t);
         }
-        plan::Layout l;
-        const auto get = from(layout);
-        get("tp", l.tp);
-        get("pp", l.pp);
-        get("dp", l.dp);
-        get("cp", l.cp);
-        get("ep", l.ep);
-        get("zero", l.zero);
-        get("sequence_parallel", l.sequence_parallel);
-        get("dtype_bytes", l.dtype_bytes);
-        get("master_bytes", l.master_bytes);
-        get("micro_batch", l.micro_batch);
-        get("seq_len", l.seq_len);
-        get("num_microbatches", l.num_microbatches);
-        get("schedule", l.schedule);
-        get("optimizer", l.optimizer);
-        get("bucket_cap_mb", l.bucket_cap_mb);
-        std::string recompute = "none";
-        get("recompute", recompute);
-        if (recompute == "full") {
-          l.recompute = plan::Recompute::kFull;
-        } else if (recompute == "selective") {
-          l.recompute = plan::Recompute::kSelective;
-        } else {
-          TORCH_CHECK(recompute == "none",
-                      "plan.estimate: recompute must be None, \"selective\" or \"full\", got \"",
-                      recompute,
-                      "\"");
-        }
-        return plan::estimate(model, l);
+        return plan::estimate(model, layout_of(layout));
       },
       py::arg("vocab"),
       py::arg("positions"),
@@ -112,6 +135,21 @@ void bind_plan(py::module_& m) {
       py::arg("traced") = py::none(),
       "torch_mp::plan::estimate over dicts of the layout's fields and a traced model's "
       "(plan::Traced)");
+  m.def(
+      "plan_step_time",
+      [](const plan::Estimate& estimate, const py::dict& layout, const py::dict& machine) {
+        plan::Machine figures;
+        const auto take = setter(machine);
+        take("flops", figures.flops);
+        take("memory_bandwidth", figures.memory_bandwidth);
+        take("links", figures.links);
+        take("latency", figures.latency);
+        return plan::step_time(estimate, layout_of(layout), figures);
+      },
+      py::arg("estimate"),
+      py::arg("layout"),
+      py::arg("machine"),
+      "torch_mp::plan::step_time over dicts of the layout's and the machine's fields (bytes/s)");
 }
 
 }  // namespace torch_mp::python

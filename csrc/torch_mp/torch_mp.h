@@ -29,6 +29,7 @@
 #include "torch_mp/pipeline/schedule.h"                    // IWYU pragma: export
 #include "torch_mp/pipeline/simulate.h"                    // IWYU pragma: export
 #include "torch_mp/plan/estimate.h"                        // IWYU pragma: export
+#include "torch_mp/plan/time.h"                            // IWYU pragma: export
 #include "torch_mp/process_groups.h"                       // IWYU pragma: export
 #include "torch_mp/recompute.h"                            // IWYU pragma: export
 #include "torch_mp/tensor_parallel/attention.h"            // IWYU pragma: export

@@ -465,11 +465,19 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
   }
   result.flops_per_rank = flops;
   const double ring = 2.0 * static_cast<double>(l.tp - 1) / static_cast<double>(l.tp);
-  // Per layer and micro-batch: two all-reduces of [n, h] forward and two backward (or, under
-  // sequence parallelism, all-gathers and reduce-scatters of the same volume).
-  result.bytes_sent["tp"] =
-      l.tp > 1 ? 4.0 * ring * z.d * z.n * z.h * z.per_stage * stages_per_rank * l.num_microbatches
-               : 0.0;
+  Layout kept = l;  // (what each stage saves without recomputation)
+  kept.recompute = Recompute::kNone;
+  for (int64_t i = 0; i < stages; ++i) {
+    // Per layer, two all-reduces of [n, h] (or, under sequence parallelism, all-gathers and
+    // reduce-scatters of the same volume), as many in the backward.
+    result.stages.push_back({forward_flops(z, i),
+                             stage_activations(z, kept, i),
+                             l.tp > 1 ? 2.0 * ring * z.d * z.n * z.h * z.per_stage : 0.0,
+                             l.tp > 1 ? 2 * z.per_stage : 0});
+  }
+  result.pp_message_bytes = static_cast<double>(z.d) * z.n * z.h * z.sigma;
+  result.bytes_sent["tp"] = 2.0 * result.stages.front().tp_bytes * stages_per_rank *
+                            static_cast<double>(l.num_microbatches);
   result.bytes_sent["pp"] = pp_bytes;
   const int64_t grad_bytes = z.masters ? l.master_bytes : z.d;
   int64_t rank_numel = 0;
@@ -488,6 +496,7 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
                           : l.zero <= 2 ? share * rank_numel * (grad_bytes + z.d)
                                         : share * rank_numel * (grad_bytes + 2 * z.d);
   result.bytes_sent["dp"] = dp_bytes;
+  result.dp_gathered_bytes = l.zero == 0 ? 0.0 : dp_bytes - share * rank_numel * grad_bytes;
   return result;
 }
 

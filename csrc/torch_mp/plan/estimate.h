@@ -93,6 +93,17 @@ struct RankEstimate {
   }
 };
 
+/// One pipeline stage's work for one micro-batch (on one tensor rank), what the step-time
+/// estimate (plan/time.h) is built from.
+struct StageWork {
+  double forward_flops = 0;  ///< its forward's floating-point operations
+  /// Bytes its forward saves for the backward without recomputation: the elementwise traffic
+  /// that bounds the non-matmul part of its time.
+  int64_t saved_bytes = 0;
+  double tp_bytes = 0;      ///< sent over the tensor group by its forward (as much by the backward)
+  int64_t tp_messages = 0;  ///< tensor-group collectives of its forward (as many in the backward)
+};
+
 /// A layout's estimate.
 struct Estimate {
   std::vector<RankEstimate> ranks;
@@ -100,6 +111,13 @@ struct Estimate {
   double flops_per_rank = 0;
   /// Bytes each rank sends per step, by dimension ("tp", "pp", "dp").
   std::map<std::string, double> bytes_sent;
+  /// Of bytes_sent["dp"], what gathers the parameters (ZeRO-1/2 after the step, ZeRO-3 in the
+  /// forward and the backward); the rest reduces the gradients.
+  double dp_gathered_bytes = 0;
+  /// Per stage (in schedule order, pp * stages per rank of them), one micro-batch's work.
+  std::vector<StageWork> stages;
+  /// One activation (or its gradient) sent between two stages.
+  double pp_message_bytes = 0;
 
   /// A table, one row per rank kind.
   std::string to_string() const;
