@@ -73,7 +73,7 @@ setup(
     version="0.1.0",
     description="Model-parallel training for PyTorch (tensor, pipeline, data) over a C++ core",
     packages=find_packages(include=["torch_mp", "torch_mp.*"]),
-    package_data={"torch_mp.models": ["data/*.txt"]},
+    package_data={"torch_mp.models": ["data/*.txt"], "torch_mp.plan": ["machines/*.json"]},
     ext_modules=[CMakeExtension("torch_mp._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",

@@ -19,11 +19,13 @@ class PeakMemory(TorchDispatchMode):
     """Context manager: ``peak`` (bytes) is the most tensor storage allocated inside it and alive
     at once; ``current`` what is still alive. Storages made before it are not counted. A storage
     counts at its size of the moment: one resized to nothing (as ZeRO-3 and FSDP free their
-    gathered parameters between uses) counts nothing until it is given memory again."""
+    gathered parameters between uses) counts nothing until it is given memory again.
+    ``operators`` counts the operators dispatched inside it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.peak = 0
+        self.operators = 0
         self._live: dict[int, StorageWeakRef] = {}  # the storage (its C++ object) -> a weak ref
 
     @property
@@ -37,6 +39,7 @@ class PeakMemory(TorchDispatchMode):
         return total
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.operators += 1
         inputs, _ = tree_flatten((args, kwargs))
         seen = {_key(t) for t in inputs if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))

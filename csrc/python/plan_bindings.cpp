@@ -120,6 +120,8 @@ void bind_plan(py::module_& m) {
           take("last_backward", t.last_backward);
           take("layer_flops", t.layer_flops);
           take("last_flops", t.last_flops);
+          take("layer_operators", t.layer_operators);
+          take("last_operators", t.last_operators);
           model.traced = std::move(t);
         }
         return plan::estimate(model, layout_of(layout));
@@ -144,6 +146,7 @@ void bind_plan(py::module_& m) {
         take("memory_bandwidth", figures.memory_bandwidth);
         take("links", figures.links);
         take("latency", figures.latency);
+        take("op_overhead", figures.op_overhead);
         return plan::step_time(estimate, layout_of(layout), figures);
       },
       py::arg("estimate"),

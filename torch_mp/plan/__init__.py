@@ -13,10 +13,20 @@ from __future__ import annotations
 import torch
 
 from torch_mp import _C
-from torch_mp.plan.measure import measure
+from torch_mp.plan.machine import Machine, parse_bytes
+from torch_mp.plan.measure import measure, measure_time
 from torch_mp.plan.trace import DECODERS, trace
 
-__all__ = ["Estimate", "RankEstimate", "estimate", "measure"]
+__all__ = [
+    "Estimate",
+    "Machine",
+    "RankEstimate",
+    "StepTime",
+    "estimate",
+    "measure",
+    "measure_time",
+    "parse_bytes",
+]
 
 #: One row of an estimate (``torch_mp::plan::RankEstimate``): ``kind`` ("every rank", "first
 #: stage", "middle stages", "last stage"), ``pipeline_ranks``, and bytes: ``parameters``,
@@ -25,8 +35,15 @@ __all__ = ["Estimate", "RankEstimate", "estimate", "measure"]
 #: ``activations`` (at the peak), ``accumulating_gradients``, ``peak`` and ``between_steps``.
 RankEstimate = _C.RankEstimate
 #: ``ranks`` (a list of :data:`RankEstimate`), ``flops_per_rank``, ``bytes_sent`` (per dimension,
-#: per rank and step); ``str()`` is a table.
+#: per rank and step), ``time`` (a :data:`StepTime`, with a ``machine``; else absent); ``str()``
+#: is a table.
 Estimate = _C.Estimate
+#: A step's time on a :class:`Machine` (``torch_mp::plan::StepTime``), seconds: ``seconds`` (one
+#: optimizer step), ``forward`` and ``backward`` (one micro-batch through the busiest stage),
+#: ``pipeline`` (the schedule's makespan), ``bubble_fraction``, ``data_parallel`` (traffic the
+#: backward does not hide), ``optimizer``, ``communication`` (per dimension, before overlap); and
+#: ``tokens_per_second`` of the whole job.
+StepTime = _C.StepTime
 
 
 def _shape(model, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype):
@@ -77,6 +94,7 @@ def estimate(
     optimizer: str = "adamw",
     sequence_parallel: bool = False,
     bucket_cap_mb: float = 25.0,
+    machine: Machine | str | None = None,
 ) -> Estimate:
     """What ``model`` trained at this layout costs each rank, as a steady step allocates it.
 
@@ -101,6 +119,8 @@ def estimate(
         optimizer: ``"adamw"`` or ``"adam"`` (two moments per parameter), ``"sgd"`` (none).
         sequence_parallel: Activations between the matmuls split over the tensor group.
         bucket_cap_mb: DataParallel's and the distributed optimizer's bucket size.
+        machine: A :class:`Machine` (or the name or path of a machine file,
+            :meth:`Machine.load`): the estimate's ``time`` is then its step on that machine.
 
     Returns:
         An :class:`Estimate`: one :data:`RankEstimate` per kind of rank (pipeline position),
@@ -133,6 +153,12 @@ def estimate(
     }
     try:
         sizes, traced = _shape(model, tp, micro_batch, seq_len, dtype)
-        return _C.plan_estimate(*sizes, layout, traced)
+        result = _C.plan_estimate(*sizes, layout, traced)
+        if machine is not None:
+            if not isinstance(machine, Machine):
+                machine = Machine.load(machine)
+            mesh = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
+            result.time = _C.plan_step_time(result, layout, machine.figures(dtype, mesh))
+        return result
     except RuntimeError as error:
         raise ValueError(str(error).split("\nException raised from")[0]) from None

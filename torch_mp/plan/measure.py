@@ -4,16 +4,20 @@ tests and docs/plan.md hold :func:`torch_mp.plan.estimate` to these numbers."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import statistics
+import time
 
 import torch
+import torch.distributed as dist
 
 import torch_mp
 from torch_mp._memory import PeakMemory
 from torch_mp.plan.trace import DECODERS
 
-__all__ = ["measure"]
+__all__ = ["measure", "measure_time"]
 
 
 def measure(
@@ -46,19 +50,10 @@ def measure(
     keywords are :func:`torch_mp.plan.estimate`'s; ``mesh`` (the default mesh when None) must
     have the sizes given. A collective: every rank
     calls it with the same arguments."""
-    from torch_mp.models import DenseGPT, GPTConfig, Trainer3D, TrainingOptions
+    from torch_mp.models import GPTConfig
 
     mesh = mesh if mesh is not None else torch_mp.get_mesh()
-    sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
-    have = {
-        "tp": mesh.tp_size,
-        "pp": mesh.pp_size,
-        "dp": mesh.dp_size,
-        "cp": mesh.cp_size,
-        "ep": mesh.ep_size,
-    }
-    if have != sizes:
-        raise ValueError(f"plan.measure: the mesh is {have}, the layout asks for {sizes}")
+    _check_mesh(mesh, {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}, "plan.measure")
     if not isinstance(model, GPTConfig):
         if getattr(model, "model_type", None) not in DECODERS or pp > 1 or zero > 2 or cp > 1:
             raise TypeError(
@@ -66,43 +61,133 @@ def measure(
                 f"{', '.join(DECODERS)} at pp 1, cp 1 and zero <= 2; got {type(model).__name__}"
             )
         return _measure_decoder(model, mesh, zero, recompute, dtype, micro_batch, seq_len, steps)
-    if optimizer != "adamw":
-        raise ValueError(f"plan.measure: trains with AdamW only, got optimizer={optimizer!r}")
-    bf16 = dtype == torch.bfloat16
+    layout = dict(
+        zero=zero,
+        recompute=recompute,
+        dtype=dtype,
+        master_dtype=master_dtype,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        optimizer=optimizer,
+        sequence_parallel=sequence_parallel,
+    )
+    build, tokens = _gpt_run(model, layout, steps)
+    gc.collect()
+    with _default_mesh(mesh), PeakMemory() as memory:
+        trainer = build(mesh)
+        for batch_tokens in tokens:
+            trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
+        gc.collect()
+        states = memory.current
+        del trainer
+    gc.collect()
+    return {"peak": memory.peak, "states": states, "pipeline_rank": mesh.pp_rank}
+
+
+def measure_time(
+    model,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    zero: int = 0,
+    recompute: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    master_dtype: torch.dtype | None = None,
+    micro_batch: int,
+    seq_len: int,
+    num_microbatches: int = 1,
+    schedule: str = "1f1b",
+    optimizer: str = "adamw",
+    sequence_parallel: bool = False,
+    steps: int = 3,
+    warmup: int = 2,
+    mesh: torch_mp.Mesh | None = None,
+) -> float:
+    """Seconds of one optimizer step of ``model`` (a :class:`torch_mp.models.GPTConfig`) laid
+    out on ``mesh`` (the default mesh when None, of the sizes given), trained as
+    :class:`torch_mp.models.Trainer3D` trains it: the median of ``steps`` steps after
+    ``warmup``, each from a barrier to a barrier (so the slowest rank's). What an estimate's
+    ``time`` is measured against. A collective."""
+    mesh = mesh if mesh is not None else torch_mp.get_mesh()
+    _check_mesh(mesh, {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}, "plan.measure_time")
+    layout = dict(
+        zero=zero,
+        recompute=recompute,
+        dtype=dtype,
+        master_dtype=master_dtype,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        optimizer=optimizer,
+        sequence_parallel=sequence_parallel,
+    )
+    build, tokens = _gpt_run(model, layout, warmup + steps)
+    seconds = []
+    with _default_mesh(mesh):
+        trainer = build(mesh)
+        for i, batch_tokens in enumerate(tokens):
+            dist.barrier()
+            start = time.perf_counter()
+            trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
+            dist.barrier()
+            if i >= warmup:
+                seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def _check_mesh(mesh, sizes: dict, who: str) -> None:
+    have = {d: getattr(mesh, f"{d}_size") for d in sizes}
+    if have != sizes:
+        raise ValueError(f"{who}: the mesh is {have}, the layout asks for {sizes}")
+
+
+@contextlib.contextmanager
+def _default_mesh(mesh):
+    """``mesh`` as the default mesh (for whatever in the stages looks for it)."""
+    previous = torch_mp.mesh.find_mesh()
+    torch_mp.set_mesh(mesh)
+    try:
+        yield
+    finally:
+        torch_mp.set_mesh(previous)
+
+
+def _gpt_run(config, layout: dict, steps: int):
+    """A function of the mesh that builds the GPT's Trainer3D at ``layout`` (same weights on
+    every rank), and ``steps`` random batches of tokens (inputs and targets)."""
+    from torch_mp.models import DenseGPT, Trainer3D, TrainingOptions
+
+    if layout["optimizer"] != "adamw":
+        raise ValueError(
+            f"plan.measure: trains with AdamW only, got optimizer={layout['optimizer']!r}"
+        )
+    dtype, master_dtype = layout["dtype"], layout["master_dtype"]
     if dtype not in (torch.float32, torch.bfloat16) or master_dtype not in (None, torch.float32):
         raise ValueError(
             "plan.measure: dtype float32, or bfloat16 with fp32 masters (master_dtype None or "
             f"float32), got dtype={dtype}, master_dtype={master_dtype}"
         )
     options = TrainingOptions(
-        schedule=schedule,
-        microbatches=num_microbatches,
-        sequence_parallel=sequence_parallel,
-        recompute=recompute,
-        zero=zero,
-        bf16=bf16,
+        schedule=layout["schedule"],
+        microbatches=layout["num_microbatches"],
+        sequence_parallel=layout["sequence_parallel"],
+        recompute=layout["recompute"],
+        zero=layout["zero"],
+        bf16=dtype == torch.bfloat16,
     )
     torch.manual_seed(0)
-    dense = DenseGPT(model)
+    dense = DenseGPT(config)
     g = torch.Generator().manual_seed(1)
-    batch = micro_batch * num_microbatches
-    tokens = [torch.randint(model.vocab, (batch, seq_len + 1), generator=g) for _ in range(steps)]
-    gc.collect()
-    previous = torch_mp.mesh.find_mesh()
-    torch_mp.set_mesh(mesh)  # (for whatever in the stages looks for the default mesh)
-    try:
-        with PeakMemory() as memory:
-            trainer = Trainer3D(dense, mesh, options)
-            for batch_tokens in tokens:
-                trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
-            gc.collect()
-            states = memory.current
-        del trainer
-    finally:
-        torch_mp.set_mesh(previous)
-    peak = memory.peak
-    gc.collect()
-    return {"peak": peak, "states": states, "pipeline_rank": mesh.pp_rank}
+    batch = layout["micro_batch"] * layout["num_microbatches"]
+    shape = (batch, layout["seq_len"] + 1)
+    tokens = [torch.randint(config.vocab, shape, generator=g) for _ in range(steps)]
+    return (lambda mesh: Trainer3D(dense, mesh, options)), tokens
 
 
 def _measure_decoder(config, mesh, zero, recompute, dtype, micro_batch, seq_len, steps):

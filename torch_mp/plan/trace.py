@@ -51,8 +51,8 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def _model_run(config, tp: int, layers: int, ids: torch.Tensor, dtype: torch.dtype):
-    """(saved after the forward, the most the backward holds beyond, the forward's FLOPs) of
-    the whole model with ``layers`` layers, and the model."""
+    """(saved after the forward, the most the backward holds beyond, the forward's FLOPs and
+    operators) of the whole model with ``layers`` layers, and the model."""
     import transformers
 
     default = torch.get_default_dtype()
@@ -68,10 +68,11 @@ def _model_run(config, tp: int, layers: int, ids: torch.Tensor, dtype: torch.dty
         with flops:
             loss = model(input_ids=ids, labels=ids).loss
         saved = memory.current - _bytes(loss)
+        operators = memory.operators
         memory.peak = memory.current
         loss.backward()
         backward = memory.peak - saved
-    return saved, backward, flops.get_total_flops(), model
+    return saved, backward, flops.get_total_flops(), operators, model
 
 
 def trace(config, *, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype) -> dict:
@@ -79,8 +80,8 @@ def trace(config, *, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype
     whose ``model_type`` is one of :data:`DECODERS`)."""
     with FakeTensorMode():
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-        saved1, backward1, flops1, model = _model_run(config, tp, 1, ids, dtype)
-        saved2, _, flops2, _ = _model_run(config, tp, 2, ids, dtype)
+        saved1, backward1, flops1, ops1, model = _model_run(config, tp, 1, ids, dtype)
+        saved2, _, flops2, ops2, _ = _model_run(config, tp, 2, ids, dtype)
         layer = model.model.layers[0]
         x = torch.zeros(micro_batch, seq_len, config.hidden_size, dtype=dtype, requires_grad=True)
         positions = torch.arange(seq_len).unsqueeze(0)
@@ -114,4 +115,6 @@ def trace(config, *, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype
         "last_backward": backward1,
         "layer_flops": float(flops2 - flops1),
         "last_flops": float(2 * flops1 - flops2),
+        "layer_operators": ops2 - ops1,
+        "last_operators": 2 * ops1 - ops2,
     }

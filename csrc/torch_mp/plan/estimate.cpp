@@ -209,6 +209,17 @@ int64_t stage_activations(const Sizes& z, const Layout& l, int64_t i) {
   return bytes;
 }
 
+// Operators one micro-batch's forward through stage `i` dispatches (each costs
+// Machine::op_overhead). The GPT's, counted at the dispatcher on torch_mp.models.DenseGPT: 41 a
+// layer, 6 for the embeddings, 13 for the final norm, the head and the loss.
+int64_t operator_calls(const Sizes& z, int64_t i) {
+  const bool last = i == z.stages - 1;
+  if (z.traced != nullptr) {
+    return z.per_stage * z.traced->layer_operators + (last ? z.traced->last_operators : 0);
+  }
+  return z.per_stage * 41 + (i == 0 ? 6 : 0) + (last ? 13 : 0);
+}
+
 // Held after a split backward's B until its W: the gradients of each weight's output (each
 // matrix's rows, per token), the head's included.
 int64_t weight_work(const Sizes& z, int64_t i) {
@@ -471,6 +482,7 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
     // Per layer, two all-reduces of [n, h] (or, under sequence parallelism, all-gathers and
     // reduce-scatters of the same volume), as many in the backward.
     result.stages.push_back({forward_flops(z, i),
+                             operator_calls(z, i),
                              stage_activations(z, kept, i),
                              l.tp > 1 ? 2.0 * ring * z.d * z.n * z.h * z.per_stage : 0.0,
                              l.tp > 1 ? 2 * z.per_stage : 0});

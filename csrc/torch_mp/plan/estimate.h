@@ -35,6 +35,8 @@ struct Traced {
   int64_t last_backward = 0;      ///< the most the head's and loss's backward hold beyond
   double layer_flops = 0;         ///< one layer's forward
   double last_flops = 0;          ///< the head's and the loss's forward
+  int64_t layer_operators = 0;    ///< operators one layer's forward dispatches
+  int64_t last_operators = 0;     ///< the embedding's, the head's and the loss's
 };
 
 /// The model's sizes (torch_mp.models.GPTConfig's).
@@ -97,6 +99,7 @@ struct RankEstimate {
 /// estimate (plan/time.h) is built from.
 struct StageWork {
   double forward_flops = 0;  ///< its forward's floating-point operations
+  int64_t operators = 0;     ///< operators its forward dispatches (the backward about twice)
   /// Bytes its forward saves for the backward without recomputation: the elementwise traffic
   /// that bounds the non-matmul part of its time.
   int64_t saved_bytes = 0;

@@ -47,9 +47,12 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
   StepTime t;
   double tp_per_microbatch = 0;  // the busiest stage's, forward and backward
   for (const StageWork& s : e.stages) {
-    // Matmuls at the machine's rate, and the elementwise work as traffic: what the forward saves
-    // is written once and read back (the backward moves about twice as much).
-    const double compute = s.forward_flops / m.flops + 2.0 * s.saved_bytes / m.memory_bandwidth;
+    // Matmuls at the machine's rate (and each operator's overhead), and the elementwise work as
+    // traffic: what the forward saves is written once and read back (the backward moves about twice
+    // as much).
+    const double compute = s.forward_flops / m.flops +
+                           static_cast<double>(s.operators) * m.op_overhead +
+                           2.0 * s.saved_bytes / m.memory_bandwidth;
     const double tp =
         l.tp > 1 ? s.tp_bytes / tp_link + static_cast<double>(s.tp_messages) * ring_latency(l.tp)
                  : 0.0;

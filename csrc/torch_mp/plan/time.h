@@ -18,6 +18,9 @@ struct Machine {
   /// dimension of size > 1.
   std::map<std::string, double> links;
   double latency = 0;  ///< seconds of one message (each step of a ring)
+  /// Seconds each operator costs beyond its work (dispatch, autograd, a kernel's launch): what
+  /// makes many small micro-batches slower than a few large ones.
+  double op_overhead = 0;
 };
 
 /// A step's time, in seconds.
