@@ -46,6 +46,9 @@ Estimate = _C.Estimate
 StepTime = _C.StepTime
 
 
+_TRACES: dict = {}  # traces by (config, tp, micro_batch, seq_len, dtype), oldest first
+
+
 def _shape(model, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype):
     """The core's model arguments: the sizes, and for a Hugging Face decoder its trace."""
     from torch_mp.models import GPTConfig
@@ -56,7 +59,14 @@ def _shape(model, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype):
         return (*sizes, config.layers, config.moe_experts), None
     kind = getattr(config, "model_type", None)
     if kind in DECODERS:
-        traced = trace(config, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype)
+        key = (config.to_json_string(), tp, micro_batch, seq_len, dtype)
+        if key not in _TRACES:  # (the planner estimates many layouts of one trace)
+            if len(_TRACES) >= 64:
+                _TRACES.pop(next(iter(_TRACES)))
+            _TRACES[key] = trace(
+                config, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype
+            )
+        traced = _TRACES[key]
         heads = config.num_attention_heads
         sizes = (config.vocab_size, 0, config.hidden_size, heads, config.intermediate_size)
         return (*sizes, config.num_hidden_layers, 0), traced

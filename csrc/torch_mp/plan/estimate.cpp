@@ -310,14 +310,19 @@ Walk walk(const pipeline::Schedule& schedule,
   return result;
 }
 
+// Of those, the attention core's (the GPT's; a traced decoder's are not told apart).
+double attention_flops(const Sizes& z) {
+  return z.traced != nullptr ? 0.0 : z.per_stage * 2.0 * z.n * z.s * z.h / z.t;
+}
+
 // Floating-point operations of one micro-batch's forward through stage `i`.
 double forward_flops(const Sizes& z, int64_t i) {
   if (z.traced != nullptr) {
     return z.per_stage * z.traced->layer_flops + (i == z.stages - 1 ? z.traced->last_flops : 0);
   }
   const double matmuls = 2.0 * z.n * (4.0 * z.h * z.h + 2.0 * z.h * z.f) / z.t;
-  const double attention = 2.0 * z.n * z.s * z.h / z.t;  // QK^T and AV, causal: half of 4nsh
-  double flops = z.per_stage * (matmuls + attention);
+  // QK^T and AV, causal: half of 4nsh
+  double flops = z.per_stage * matmuls + attention_flops(z);
   if (i == z.stages - 1) {
     flops += 2.0 * z.n * z.h * z.vocab_shard;
   }
@@ -467,7 +472,8 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
   for (int64_t r = 0; r < l.pp; ++r) {
     double rank_flops = 0, rank_pp = 0;
     for (const int64_t i : schedule.stages_of_rank(r)) {
-      rank_flops += (3.0 + recompute_share) * forward_flops(z, i) * l.num_microbatches;
+      const double repeated = l.recompute == Recompute::kSelective ? attention_flops(z) : 0.0;
+      rank_flops += ((3.0 + recompute_share) * forward_flops(z, i) + repeated) * l.num_microbatches;
       const int64_t neighbours = (i > 0 ? 1 : 0) + (i + 1 < stages ? 1 : 0);
       rank_pp += neighbours * z.d * z.n * z.h * z.sigma * l.num_microbatches;
     }
@@ -483,6 +489,7 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
     // reduce-scatters of the same volume), as many in the backward.
     result.stages.push_back({forward_flops(z, i),
                              operator_calls(z, i),
+                             attention_flops(z),
                              stage_activations(z, kept, i),
                              l.tp > 1 ? 2.0 * ring * z.d * z.n * z.h * z.per_stage : 0.0,
                              l.tp > 1 ? 2 * z.per_stage : 0});

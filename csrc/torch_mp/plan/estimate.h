@@ -100,6 +100,8 @@ struct RankEstimate {
 struct StageWork {
   double forward_flops = 0;  ///< its forward's floating-point operations
   int64_t operators = 0;     ///< operators its forward dispatches (the backward about twice)
+  /// Of forward_flops, the attention core's (what selective recomputation repeats).
+  double attention_flops = 0;
   /// Bytes its forward saves for the backward without recomputation: the elementwise traffic
   /// that bounds the non-matmul part of its time.
   int64_t saved_bytes = 0;

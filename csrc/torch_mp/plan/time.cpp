@@ -57,7 +57,9 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
         l.tp > 1 ? s.tp_bytes / tp_link + static_cast<double>(s.tp_messages) * ring_latency(l.tp)
                  : 0.0;
     t.forward = std::max(t.forward, compute + tp);
-    t.backward = std::max(t.backward, (2.0 + recompute) * compute + (1.0 + recompute) * tp);
+    const double repeated = l.recompute == Recompute::kSelective ? s.attention_flops / m.flops : 0;
+    t.backward =
+        std::max(t.backward, (2.0 + recompute) * compute + repeated + (1.0 + recompute) * tp);
     tp_per_microbatch = std::max(tp_per_microbatch, (2.0 + recompute) * tp);
   }
   pipeline::CostModel costs;
