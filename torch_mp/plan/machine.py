@@ -12,6 +12,7 @@ import json
 import pathlib
 import time
 from dataclasses import dataclass, field
+from statistics import median
 
 import torch
 import torch.distributed as dist
@@ -155,15 +156,16 @@ class Machine:
         at ``dtype``, a chain of ten small operators forward and backward (each one's
         overhead), a copy of 32 MiB, and for each
         dimension of ``mesh`` (the default mesh when None) of size > 1 an all-reduce of 4 MiB
-        (bandwidth) and of one element (latency). The fastest of ``repeats`` runs, the
-        slowest rank's. A collective over the whole world."""
+        (bandwidth) and of one element (latency). The fastest of ``repeats`` runs (what the
+        device can do: interference only slows a run; the collectives' median), the slowest
+        rank's. A collective over the whole world."""
         import torch_mp
 
         mesh = mesh if mesh is not None else torch_mp.get_mesh()
         device = torch.device("cuda", torch.cuda.current_device()) if _on_cuda(mesh) else None
         device = device or torch.device("cpu")
 
-        def timed(run) -> float:
+        def timed(run, pick=min) -> float:
             run()  # (warm up)
             seconds = []
             for _ in range(repeats):
@@ -172,7 +174,7 @@ class Machine:
                 run()
                 _sync(device)
                 seconds.append(time.perf_counter() - start)
-            return min(seconds)  # (what the machine can do: interference only slows a run)
+            return pick(seconds)
 
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
@@ -199,8 +201,10 @@ class Machine:
             if p == 1:
                 continue
             dist.barrier()
-            seconds = timed(functools.partial(dist.all_reduce, big, group=group))
-            latency = timed(functools.partial(dist.all_reduce, one, group=group)) / (2 * (p - 1))
+            # (the median: a collective waits for the slower rank, as in a step)
+            seconds = timed(functools.partial(dist.all_reduce, big, group=group), median)
+            latency = timed(functools.partial(dist.all_reduce, one, group=group), median)
+            latency /= 2 * (p - 1)
             sent = 2 * (p - 1) / p * big.nbytes  # (per rank, by a ring)
             links[d] = sent / max(seconds - 2 * (p - 1) * latency, 1e-9) / 1e9
             latencies.append(latency)
