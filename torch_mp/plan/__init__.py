@@ -5,7 +5,9 @@ gradients, optimizer state, activations, communication buffers) and its peak, wi
 and bytes sent of a step; the C++ core computes it (``torch_mp::plan::estimate``), by the rules
 the layers, DataParallel, the distributed optimizer and the pipeline's schedules follow.
 :func:`measure` trains the layout on the current ranks and returns what a rank really allocated,
-the number the estimate is tested against.
+the number the estimate is tested against. With a :class:`Machine`, the estimate's ``time`` is
+the step's (:func:`measure_time` measures it); :func:`search` (and ``python -m torch_mp.plan``)
+picks the fastest layouts that fit.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import torch
 from torch_mp import _C
 from torch_mp.plan.machine import Machine, parse_bytes
 from torch_mp.plan.measure import measure, measure_time
+from torch_mp.plan.search import Candidate, NothingFits, search
 from torch_mp.plan.trace import DECODERS, trace
 
 __all__ = [
+    "Candidate",
     "Estimate",
     "Machine",
     "RankEstimate",
@@ -25,7 +29,9 @@ __all__ = [
     "estimate",
     "measure",
     "measure_time",
+    "NothingFits",
     "parse_bytes",
+    "search",
 ]
 
 #: One row of an estimate (``torch_mp::plan::RankEstimate``): ``kind`` ("every rank", "first
