@@ -8,6 +8,7 @@ do not apply."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -46,6 +47,23 @@ def _rank_config(config, tp: int, layers: int):
     return rank
 
 
+@contextlib.contextmanager
+def _as_on_real_tensors():
+    """transformers' mask as the ranks' real run builds it. On real tensors it reads the
+    positions, finds one sequence per row, and passes ``is_causal`` to SDPA with the key and
+    value heads as they are; a fake tensor cannot be read, so it would build the causal mask and
+    repeat the key and value heads (an [n, f]-sized difference per layer). The trace's rows are
+    one sequence each (positions 0 to seq_len - 1): said so here."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
@@ -78,7 +96,7 @@ def _model_run(config, tp: int, layers: int, ids: torch.Tensor, dtype: torch.dty
 def trace(config, *, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype) -> dict:
     """The fields of ``plan::Traced`` for one tensor rank of ``config`` (a Hugging Face config
     whose ``model_type`` is one of :data:`DECODERS`)."""
-    with FakeTensorMode():
+    with FakeTensorMode(), _as_on_real_tensors():
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         saved1, backward1, flops1, ops1, model = _model_run(config, tp, 1, ids, dtype)
         saved2, _, flops2, ops2, _ = _model_run(config, tp, 2, ids, dtype)

@@ -19,68 +19,6 @@ using pipeline::ActionKind;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-void check(const ModelShape& model, const Layout& l) {
-  const auto positive = [](int64_t value, const char* name) {
-    TORCH_CHECK(value >= 1, "plan.estimate: ", name, " must be at least 1, got ", value);
-  };
-  positive(l.tp, "tp");
-  positive(l.pp, "pp");
-  positive(l.dp, "dp");
-  positive(l.micro_batch, "micro_batch");
-  positive(l.seq_len, "seq_len");
-  positive(l.num_microbatches, "num_microbatches");
-  TORCH_CHECK(l.cp == 1 && l.ep == 1 && model.experts == 0,
-              "plan.estimate: context (cp > 1) and expert (ep > 1, MoE layers) parallelism are "
-              "not estimated yet; got cp=",
-              l.cp,
-              ", ep=",
-              l.ep,
-              ", experts=",
-              model.experts);
-  if (model.traced) {  // (torch_mp.plan checked the config's sizes against tp when tracing)
-    TORCH_CHECK(l.recompute != Recompute::kSelective && !l.sequence_parallel,
-                "plan.estimate: selective recomputation and sequence parallelism are torch_mp's "
-                "GPT layers' (torch_mp.models); a traced model takes recompute None or \"full\"");
-  } else {
-    TORCH_CHECK(model.hidden % model.heads == 0,
-                "plan.estimate: hidden (",
-                model.hidden,
-                ") is not divisible by heads (",
-                model.heads,
-                ")");
-    TORCH_CHECK(model.heads % l.tp == 0 && model.ffn % l.tp == 0,
-                "plan.estimate: heads (",
-                model.heads,
-                ") and ffn (",
-                model.ffn,
-                ") must be divisible by tp=",
-                l.tp);
-    TORCH_CHECK(l.seq_len <= model.positions,
-                "plan.estimate: seq_len=",
-                l.seq_len,
-                " exceeds the model's ",
-                model.positions,
-                " positions");
-  }
-  TORCH_CHECK(!l.sequence_parallel || l.seq_len % l.tp == 0,
-              "plan.estimate: sequence parallelism needs seq_len (",
-              l.seq_len,
-              ") divisible by tp=",
-              l.tp);
-  TORCH_CHECK(l.zero >= 0 && l.zero <= 3, "plan.estimate: zero must be 0, 1, 2 or 3, got ", l.zero);
-  TORCH_CHECK(l.zero < 3 || l.pp == 1,
-              "plan.estimate: ZeRO-3 (zero=3) at pp > 1 is not supported (the head's tie to the "
-              "embedding sums whole gradients across the pipeline)");
-  TORCH_CHECK(l.dtype_bytes == 2 || l.dtype_bytes == 4,
-              "plan.estimate: dtype must be float32 or a 16-bit type");
-  TORCH_CHECK(l.master_bytes == 0 || l.master_bytes == 4,
-              "plan.estimate: master_dtype must be None or float32");
-  TORCH_CHECK(l.optimizer == "adamw" || l.optimizer == "adam" || l.optimizer == "sgd",
-              "plan.estimate: optimizer must be \"adamw\", \"adam\" or \"sgd\", got \"",
-              l.optimizer,
-              "\"");
-}
-
 // The sizes every count below is made of.
 struct Sizes {
   int64_t t, h, f, heads, vocab_shard, positions, n, s, d, stages, per_stage;
@@ -240,7 +178,11 @@ int64_t backward_transient(const Sizes& z, const Layout& l, int64_t stage, bool 
   const int64_t recomputed = l.recompute == Recompute::kFull ? layer_full(z) : 0;
   if (z.traced != nullptr) {
     const int64_t layer = z.traced->layer_backward + recomputed;
-    return stage == z.stages - 1 && !weight ? std::max(layer, z.traced->last_backward) : layer;
+    // On the last stage the layers' backward comes after the head's, whose saved tensors
+    // (counted among the live activations) are freed by then.
+    return stage == z.stages - 1 && !weight
+               ? std::max(z.traced->last_backward, layer - z.traced->last_activations)
+               : layer;
   }
   return weight ? z.d * 3 * z.h / z.t * (z.n + z.h)
                 : z.d * (z.n * z.f / z.t + z.h * z.f / z.t + z.n * z.h) + recomputed;
@@ -332,7 +274,7 @@ double forward_flops(const Sizes& z, int64_t i) {
 }  // namespace
 
 Estimate estimate(const ModelShape& model, const Layout& layout) {
-  check(model, layout);
+  check_layout(model, layout);
   Layout l = layout;
   if (l.master_bytes && l.master_bytes != l.dtype_bytes) {
     l.zero = std::max(l.zero, 2);  // the recipe: fp32 main gradients in ZeRO-2's buckets

@@ -128,6 +128,11 @@ struct Estimate {
   std::string to_string() const;
 };
 
+/// Raises, naming the setting, if `layout` cannot take `model` (sizes not divisible, a sequence
+/// past the positions, what the trainer cannot run) or is not estimated yet (cp > 1, ep > 1,
+/// experts). `estimate` calls it first.
+void check_layout(const ModelShape& model, const Layout& layout);
+
 /// Estimates `layout` of `model`. Raises, naming the setting, on a layout the model cannot take
 /// (sizes not divisible, an unknown schedule or optimizer) or one not estimated yet (cp > 1,
 /// ep > 1, experts).

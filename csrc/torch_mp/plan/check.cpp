@@ -1,0 +1,72 @@
+// The layouts the estimate takes (plan/estimate.h, check_layout): sizes that divide, settings
+// the trainer runs, and what is not estimated yet, each refused by name.
+
+#include <c10/util/Exception.h>
+
+#include "torch_mp/plan/estimate.h"
+
+namespace torch_mp::plan {
+
+void check_layout(const ModelShape& model, const Layout& l) {
+  const auto positive = [](int64_t value, const char* name) {
+    TORCH_CHECK(value >= 1, "plan.estimate: ", name, " must be at least 1, got ", value);
+  };
+  positive(l.tp, "tp");
+  positive(l.pp, "pp");
+  positive(l.dp, "dp");
+  positive(l.micro_batch, "micro_batch");
+  positive(l.seq_len, "seq_len");
+  positive(l.num_microbatches, "num_microbatches");
+  TORCH_CHECK(l.cp == 1 && l.ep == 1 && model.experts == 0,
+              "plan.estimate: context (cp > 1) and expert (ep > 1, MoE layers) parallelism are "
+              "not estimated yet; got cp=",
+              l.cp,
+              ", ep=",
+              l.ep,
+              ", experts=",
+              model.experts);
+  if (model.traced) {  // (torch_mp.plan checked the config's sizes against tp when tracing)
+    TORCH_CHECK(l.recompute != Recompute::kSelective && !l.sequence_parallel,
+                "plan.estimate: selective recomputation and sequence parallelism are torch_mp's "
+                "GPT layers' (torch_mp.models); a traced model takes recompute None or \"full\"");
+  } else {
+    TORCH_CHECK(model.hidden % model.heads == 0,
+                "plan.estimate: hidden (",
+                model.hidden,
+                ") is not divisible by heads (",
+                model.heads,
+                ")");
+    TORCH_CHECK(model.heads % l.tp == 0 && model.ffn % l.tp == 0,
+                "plan.estimate: heads (",
+                model.heads,
+                ") and ffn (",
+                model.ffn,
+                ") must be divisible by tp=",
+                l.tp);
+    TORCH_CHECK(l.seq_len <= model.positions,
+                "plan.estimate: seq_len=",
+                l.seq_len,
+                " exceeds the model's ",
+                model.positions,
+                " positions");
+  }
+  TORCH_CHECK(!l.sequence_parallel || l.seq_len % l.tp == 0,
+              "plan.estimate: sequence parallelism needs seq_len (",
+              l.seq_len,
+              ") divisible by tp=",
+              l.tp);
+  TORCH_CHECK(l.zero >= 0 && l.zero <= 3, "plan.estimate: zero must be 0, 1, 2 or 3, got ", l.zero);
+  TORCH_CHECK(l.zero < 3 || l.pp == 1,
+              "plan.estimate: ZeRO-3 (zero=3) at pp > 1 is not supported (the head's tie to the "
+              "embedding sums whole gradients across the pipeline)");
+  TORCH_CHECK(l.dtype_bytes == 2 || l.dtype_bytes == 4,
+              "plan.estimate: dtype must be float32 or a 16-bit type");
+  TORCH_CHECK(l.master_bytes == 0 || l.master_bytes == 4,
+              "plan.estimate: master_dtype must be None or float32");
+  TORCH_CHECK(l.optimizer == "adamw" || l.optimizer == "adam" || l.optimizer == "sgd",
+              "plan.estimate: optimizer must be \"adamw\", \"adam\" or \"sgd\", got \"",
+              l.optimizer,
+              "\"");
+}
+
+}  // namespace torch_mp::plan
