@@ -112,13 +112,31 @@ TEST(PlanEstimate, ATracedModelIsCountedFromItsShapesAndMeasuredBytes) {
   EXPECT_TRUE(mentions(error_of([&] { estimate(model, full); }), "recompute None or \"full\""));
 }
 
+TEST(PlanEstimate, ContextRanksHoldTheirShareOfTheTokensAndShardOverDataTimesContext) {
+  Layout one = layout(), cp = layout();
+  cp.cp = 2;
+  cp.zero = 1;
+  one.dp = 2;
+  one.zero = 1;
+  one.seq_len = 32;  // (each context rank's tokens)
+  const RankEstimate a = estimate(kGpt, cp).ranks.at(0), b = estimate(kGpt, one).ranks.at(0);
+  EXPECT_EQ(a.between_steps(), b.between_steps());  // ZeRO over the 2 data x context ranks
+  // the same but for the ring's buffers
+  EXPECT_GT(a.peak, b.peak);
+  EXPECT_LT(a.peak, b.peak * 1.05);
+  EXPECT_GT(estimate(kGpt, cp).bytes_sent.at("cp"), 0);
+}
+
 TEST(PlanEstimate, ALayoutTheModelCannotTakeIsRefusedByName) {
   Layout l = layout();
   l.tp = 3;
   EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "divisible by tp=3"));
   l = layout();
-  l.cp = 2;
+  l.ep = 2;
   EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "not estimated yet"));
+  l = layout();
+  l.cp = 3;  // (64 tokens do not cut into 6 balanced chunks)
+  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "divisible by 2 * cp"));
   l = layout();
   l.schedule = "looped";
   EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "unknown schedule \"looped\""));

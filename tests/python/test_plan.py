@@ -18,12 +18,8 @@ SMALL = {"micro_batch": 2, "seq_len": 64}
 
 def _validate(world_size: int) -> list[str]:
     layouts = LAYOUTS[world_size]
-    meshes = {
-        (layout.get("tp", 1), layout.get("pp", 1)): use_mesh(
-            layout.get("tp", 1), layout.get("pp", 1)
-        )
-        for layout in layouts
-    }
+    keys = {(layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)) for layout in layouts}
+    meshes = {key: use_mesh(*key) for key in keys}
     rows = compare(layouts, meshes)
     return [
         f"{r.layout} ({r.kind}): peak {100 * r.peak_error:+.2f} %, "
@@ -44,7 +40,7 @@ def test_there_are_at_least_twelve_layouts_covering_every_setting():
     seen = {key: {layout.get(key) for layout in layouts} for key in ("zero", "recompute")}
     assert {None, 1, 2, 3} <= seen["zero"] and {None, "selective", "full"} <= seen["recompute"]
     assert any(layout.get("dtype") == torch.bfloat16 for layout in layouts)
-    for key in ("tp", "pp", "dp"):
+    for key in ("tp", "pp", "dp", "cp"):
         assert any(layout.get(key, 1) > 1 for layout in layouts), key
 
 
@@ -107,7 +103,8 @@ def test_a_meta_model_is_estimated_from_its_config():
     [
         ({"tp": 3}, "divisible by tp=3"),
         ({"pp": 3}, "4 layers cannot be cut into 3 equal stages"),
-        ({"cp": 2}, "not estimated yet"),
+        ({"ep": 2}, "not estimated yet"),
+        ({"cp": 3}, "divisible by 2 \\* cp"),
         ({"zero": 3, "pp": 2}, "ZeRO-3"),
         ({"zero": 2, "pp": 2, "schedule": "interleaved_1f1b", "num_microbatches": 4}, "ZeRO-2"),
         ({"schedule": "looped"}, 'unknown schedule "looped"'),

@@ -25,7 +25,7 @@ def test_the_layouts_fit_and_come_fastest_first():
     assert [c.seconds for c in best] == sorted(c.seconds for c in best)
     for c in best:
         k = c.keywords
-        assert k["tp"] * k["pp"] * k["dp"] == 16 and c.peak <= 20e9
+        assert k["tp"] * k["pp"] * k["dp"] * k["cp"] == 16 and c.peak <= 20e9
         assert k["dp"] * k["micro_batch"] * k["num_microbatches"] == 64
         again = plan.estimate(GPT, machine="h100", **k)  # (the same numbers as the estimate's)
         assert again.time.seconds == c.seconds and max(r.peak for r in again.ranks) == c.peak

@@ -51,6 +51,9 @@ def test_the_step_time_weighs_bubbles_and_traffic():
     e2 = plan.estimate(GPT, tp=8, pp=4, dp=2, num_microbatches=4, machine=slow, **BIG)
     assert e2.time.communication["tp"] > 3 * t.communication["tp"]  # (its latency: the same)
     assert not hasattr(plan.estimate(GPT, tp=8, **BIG), "time")
+    # context ranks: their ring's traffic, and the data x context group's gradients
+    ring = plan.estimate(GPT, tp=4, cp=2, dp=8, machine="h100", **BIG).time
+    assert ring.communication["cp"] > 0 and ring.communication["dp"] > 0
 
 
 def test_a_missing_figure_is_refused_by_name():

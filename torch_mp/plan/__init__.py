@@ -121,7 +121,8 @@ def estimate(
             Qwen2 config (or a model of one, on any device), split as ``torch_mp.parallelize``
             with ``LLAMA_PLAN`` splits it and measured on fake tensors
             (:mod:`torch_mp.plan.trace`).
-        tp, pp, dp, cp, ep: The mesh's sizes (cp and ep not estimated yet: they raise).
+        tp, pp, dp, cp, ep: The mesh's sizes (cp: the GPT's, each sequence cut in 2 cp
+            balanced chunks; ep not estimated yet: it raises).
         zero: 0 none; 1 the optimizer state sharded over the data ranks; 2 the gradients too;
             3 the parameters too (at pp 1).
         recompute: None, ``"selective"`` (the attention core) or ``"full"`` (each layer).

@@ -117,6 +117,7 @@ def command(candidate, model, world: int, machine: Machine) -> str:
         )
         return f"{note}\n{launch} examples/python/llama.py {' '.join(args)}"
     args = [f"--tp {k['tp']}", f"--pp {k['pp']}"]
+    args += [f"--cp {k['cp']}"] if k.get("cp", 1) > 1 else []
     args += [f"--schedule {k['schedule']}"] if k["pp"] > 1 else []
     args += ["--bf16"] if bf16 else []
     args += [f"--zero {k['zero']}"] if k["zero"] and (k["zero"] == 3 or not bf16) else []

@@ -54,7 +54,8 @@ class Machine:
         memory_bandwidth: GB/s of one device's memory (the elementwise work and the optimizer
             step are costed as its traffic).
         links: GB/s each rank sends within a dimension's group, by dimension (``"tp"``, ``"pp"``,
-            ``"dp"``); where a dimension of size > 1 is missing, ``intra_node`` or
+            ``"dp"``, ``"cp"``; ``"dp"`` is the data x context group's, which reduces the
+            gradients); where a dimension of size > 1 is missing, ``intra_node`` or
             ``inter_node`` by where its group lies (below), else an error naming it.
         latency: Seconds of one message (each step of a ring).
         op_overhead: Seconds each operator takes beyond its work (dispatch, autograd, a
@@ -135,8 +136,9 @@ class Machine:
     def figures(self, dtype: torch.dtype, sizes: dict[str, int]) -> dict:
         """The core's plan::Machine (bytes/s) for a layout of ``sizes`` at ``dtype``."""
         links = {}
-        for d in ("tp", "pp", "dp"):
-            rate = self.link(d, sizes) if sizes.get(d, 1) > 1 else None
+        group_sizes = {**sizes, "dp": sizes.get("dp", 1) * sizes.get("cp", 1)}  # (data x context)
+        for d in ("tp", "cp", "pp", "dp"):
+            rate = self.link(d, sizes) if group_sizes.get(d, 1) > 1 else None
             if rate is not None:
                 links[d] = rate * 1e9
         return {
@@ -196,8 +198,13 @@ class Machine:
         bandwidth = 2 * source.nbytes / timed(lambda: target.copy_(source)) / 1e9
         links, latencies = {}, []
         big, one = torch.ones(2**20, device=device), torch.ones(1, device=device)
-        for d in ("tp", "pp", "dp"):
-            group, p = getattr(mesh, f"{d}_group"), getattr(mesh, f"{d}_size")
+        groups = {
+            "tp": (mesh.tp_group, mesh.tp_size),
+            "cp": (mesh.cp_group, mesh.cp_size),
+            "pp": (mesh.pp_group, mesh.pp_size),
+            "dp": (mesh.dp_cp_group, mesh.dp_size * mesh.cp_size),  # (where gradients go)
+        }
+        for d, (group, p) in groups.items():
             if p == 1:
                 continue
             dist.barrier()

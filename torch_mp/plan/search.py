@@ -34,6 +34,8 @@ class Candidate:
         """The layout in short: ``tp2 pp4 dp8 mb1x16 1f1b zero1 selective sp``."""
         k = self.keywords
         parts = [f"tp{k['tp']}", f"pp{k['pp']}", f"dp{k['dp']}"]
+        if k.get("cp", 1) > 1:
+            parts.append(f"cp{k['cp']}")
         parts.append(f"mb{k['micro_batch']}x{k['num_microbatches']}")
         if k["pp"] > 1:
             parts.append(k["schedule"])
@@ -62,11 +64,11 @@ def _layouts(model, world: int, global_batch: int, seq_len: int, dtype, gpus_per
     config = getattr(model, "config", model)
     decoder = getattr(config, "model_type", None) in DECODERS
     sixteen = dtype.itemsize < 4
-    for tp in _divisors(world):
-        if gpus_per_node and tp > gpus_per_node:
-            continue  # (a tensor group across nodes: never worth it)
-        for pp in [1] if decoder else _divisors(world // tp):
-            dp = world // (tp * pp)
+    for tp, cp in itertools.product(_divisors(world), [1] if decoder else [1, 2, 4, 8]):
+        if world % (tp * cp) or seq_len % (2 * cp) or (gpus_per_node and tp * cp > gpus_per_node):
+            continue  # (tensor and context groups across nodes: never worth it)
+        for pp in [1] if decoder else _divisors(world // (tp * cp)):
+            dp = world // (tp * cp * pp)
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
@@ -87,6 +89,7 @@ def _layouts(model, world: int, global_batch: int, seq_len: int, dtype, gpus_per
                         "tp": tp,
                         "pp": pp,
                         "dp": dp,
+                        "cp": cp,
                         "zero": zero,
                         "recompute": recompute,
                         "dtype": dtype,
@@ -185,10 +188,10 @@ def search(
         top: How many to return.
         progress: A bar on stderr (a terminal) while the search runs for more than a second.
 
-    Tries tp (within a node, when the machine says how many devices one has) x pp x dp over
+    Tries tp x cp (within a node, when the machine says how many devices one has) x pp x dp over
     micro-batches of 1, 2, 4 and 8 sequences, the 1f1b and interleaved schedules, ZeRO 0-3,
     recomputation none, selective and full, and sequence parallelism; a Hugging Face decoder
-    at pp 1 with recomputation none or full (as ``torch_mp.parallelize`` runs it). What the
+    at pp 1 and cp 1 with recomputation none or full (as ``torch_mp.parallelize`` runs it). What the
     estimate refuses (sizes that do not divide, what the trainer cannot run) is left out.
 
     Returns:

@@ -45,8 +45,12 @@ LAYOUTS: dict[int, list[dict]] = {
         {"pp": 2, "num_microbatches": 4, "schedule": "interleaved_1f1b"},
         {"pp": 2, "num_microbatches": 4, "schedule": "zb_h1"},
         {"dp": 2, "micro_batch": 1, "seq_len": 32},
+        {"cp": 2},
+        {"cp": 2, "zero": 2, "recompute": "full", "num_microbatches": 2},
     ],
     4: [
+        {"cp": 2, "dp": 2, "zero": 1},
+        {"tp": 2, "cp": 2, "sequence_parallel": True},
         {"tp": 2, "pp": 2, "num_microbatches": 4},
         {"tp": 2, "dp": 2, "zero": 2, "sequence_parallel": True},
         {"dp": 4, "zero": 3},
@@ -107,14 +111,14 @@ def describe(layout: dict) -> str:
 def compare(layouts: list[dict], meshes: dict | None = None) -> list[Row]:
     """Measures and estimates every layout on the current ranks (a collective: every rank calls
     it with the same layouts; their sizes' product must be the world size). ``meshes`` caches the
-    meshes by (tp, pp) between calls. Returns the rows, the same on every rank."""
+    meshes by (tp, pp, cp) between calls. Returns the rows, the same on every rank."""
     meshes = {} if meshes is None else meshes
     rows: list[Row] = []
     for layout in layouts:
         keywords = {"micro_batch": 2, "seq_len": 64, **layout}
-        key = (keywords.get("tp", 1), keywords.get("pp", 1))
+        key = (keywords.get("tp", 1), keywords.get("pp", 1), keywords.get("cp", 1))
         if key not in meshes:
-            meshes[key] = torch_mp.init(tp=key[0], pp=key[1], timeout=60)
+            meshes[key] = torch_mp.init(tp=key[0], pp=key[1], cp=key[2], timeout=60)
         mine = measure(CONFIG, mesh=meshes[key], **keywords)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
@@ -152,7 +156,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main() -> None:
-    meshes = {(1, 1): torch_mp.init(timeout=60)}  # the world, from torchrun
+    meshes = {(1, 1, 1): torch_mp.init(timeout=60)}  # the world, from torchrun
     rows = compare(LAYOUTS[dist.get_world_size()], meshes)
     if dist.get_rank() == 0:
         print(table(rows))

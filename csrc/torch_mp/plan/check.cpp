@@ -17,8 +17,16 @@ void check_layout(const ModelShape& model, const Layout& l) {
   positive(l.micro_batch, "micro_batch");
   positive(l.seq_len, "seq_len");
   positive(l.num_microbatches, "num_microbatches");
-  TORCH_CHECK(l.cp == 1 && l.ep == 1 && model.experts == 0,
-              "plan.estimate: context (cp > 1) and expert (ep > 1, MoE layers) parallelism are "
+  positive(l.cp, "cp");
+  TORCH_CHECK(l.cp == 1 || (!model.traced && l.seq_len % (2 * l.cp) == 0),
+              "plan.estimate: context parallelism (cp=",
+              l.cp,
+              ") takes the GPT (torch_mp.models) with seq_len divisible by 2 * cp (the "
+              "load-balanced cuts), got seq_len=",
+              l.seq_len,
+              model.traced ? " and a traced model" : "");
+  TORCH_CHECK(l.ep == 1 && model.experts == 0,
+              "plan.estimate: expert parallelism (ep > 1, MoE layers) is "
               "not estimated yet; got cp=",
               l.cp,
               ", ep=",
@@ -50,11 +58,11 @@ void check_layout(const ModelShape& model, const Layout& l) {
                 model.positions,
                 " positions");
   }
-  TORCH_CHECK(!l.sequence_parallel || l.seq_len % l.tp == 0,
+  TORCH_CHECK(!l.sequence_parallel || l.seq_len % (l.tp * l.cp) == 0,
               "plan.estimate: sequence parallelism needs seq_len (",
               l.seq_len,
-              ") divisible by tp=",
-              l.tp);
+              ") divisible by tp x cp=",
+              l.tp * l.cp);
   TORCH_CHECK(l.zero >= 0 && l.zero <= 3, "plan.estimate: zero must be 0, 1, 2 or 3, got ", l.zero);
   TORCH_CHECK(l.zero < 3 || l.pp == 1,
               "plan.estimate: ZeRO-3 (zero=3) at pp > 1 is not supported (the head's tie to the "

@@ -21,7 +21,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The sizes every count below is made of.
 struct Sizes {
-  int64_t t, h, f, heads, vocab_shard, positions, n, s, d, stages, per_stage;
+  // n: the tokens of a micro-batch one context rank holds; s: the whole sequence; c: cp
+  int64_t t, h, f, heads, vocab_shard, positions, n, s, c, d, stages, per_stage;
   double sigma;  // share of the tokens each tensor rank holds between the layers' matmuls
   bool masters;
   const Traced* traced;  // a traced model's measurements, or null for the GPT's formulas
@@ -138,7 +139,7 @@ int64_t stage_activations(const Sizes& z, const Layout& l, int64_t i) {
   }
   const int64_t residual = static_cast<int64_t>(z.d * z.n * z.h * z.sigma);
   if (i == 0) {  // token ids (with tp: clamped and the out-of-shard mask), positions, the sum
-    bytes += z.n * 8 + (z.t > 1 ? z.n * 9 : 0) + z.s * 8 + residual;
+    bytes += z.n * 8 + (z.t > 1 ? z.n * 9 : 0) + z.s / z.c * 8 + residual;
   }
   if (i == z.stages - 1) {  // the final norm (output, stats), the logits, the loss's fp32 copy
     bytes += residual + (l.sequence_parallel ? z.d * z.n * z.h : 0) +
@@ -184,8 +185,11 @@ int64_t backward_transient(const Sizes& z, const Layout& l, int64_t stage, bool 
                ? std::max(z.traced->last_backward, layer - z.traced->last_activations)
                : layer;
   }
+  // The context ring's backward carries the keys and values and their gradients, two of each in
+  // flight (the one in use and the one arriving).
+  const int64_t ring = z.c > 1 ? 4 * z.d * z.n * z.h / z.t : 0;
   return weight ? z.d * 3 * z.h / z.t * (z.n + z.h)
-                : z.d * (z.n * z.f / z.t + z.h * z.f / z.t + z.n * z.h) + recomputed;
+                : z.d * (z.n * z.f / z.t + z.h * z.f / z.t + z.n * z.h) + recomputed + ring;
 }
 
 struct Walk {
@@ -254,6 +258,7 @@ Walk walk(const pipeline::Schedule& schedule,
 
 // Of those, the attention core's (the GPT's; a traced decoder's are not told apart).
 double attention_flops(const Sizes& z) {
+  // (each context rank's queries against the whole sequence's keys, causal: half of 4nsh)
   return z.traced != nullptr ? 0.0 : z.per_stage * 2.0 * z.n * z.s * z.h / z.t;
 }
 
@@ -276,6 +281,7 @@ double forward_flops(const Sizes& z, int64_t i) {
 Estimate estimate(const ModelShape& model, const Layout& layout) {
   check_layout(model, layout);
   Layout l = layout;
+  l.dp *= l.cp;  // the gradients are reduced, and ZeRO shards, over the data x context ranks
   if (l.master_bytes && l.master_bytes != l.dtype_bytes) {
     l.zero = std::max(l.zero, 2);  // the recipe: fp32 main gradients in ZeRO-2's buckets
   } else {
@@ -314,8 +320,9 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
                 model.heads,
                 ceil_div(model.vocab, l.tp),
                 model.positions,
-                l.micro_batch * l.seq_len,
+                l.micro_batch * l.seq_len / l.cp,
                 l.seq_len,
+                l.cp,
                 l.dtype_bytes,
                 stages,
                 model.layers / stages,
@@ -434,12 +441,18 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
                              attention_flops(z),
                              stage_activations(z, kept, i),
                              l.tp > 1 ? 2.0 * ring * z.d * z.n * z.h * z.per_stage : 0.0,
-                             l.tp > 1 ? 2 * z.per_stage : 0});
+                             l.tp > 1 ? 2 * z.per_stage : 0,
+                             // the ring's keys and values, cp - 1 steps a layer
+                             2.0 * (z.c - 1) * z.d * z.n * z.h / z.t * z.per_stage,
+                             (z.c - 1) * z.per_stage});
   }
   result.pp_message_bytes = static_cast<double>(z.d) * z.n * z.h * z.sigma;
   result.bytes_sent["tp"] = 2.0 * result.stages.front().tp_bytes * stages_per_rank *
                             static_cast<double>(l.num_microbatches);
   result.bytes_sent["pp"] = pp_bytes;
+  // (the backward's ring carries the gradients too: twice the forward's)
+  result.bytes_sent["cp"] = (3.0 + recompute_share) * result.stages.front().cp_bytes *
+                            stages_per_rank * static_cast<double>(l.num_microbatches);
   const int64_t grad_bytes = z.masters ? l.master_bytes : z.d;
   int64_t rank_numel = 0;
   for (const int64_t r : schedule.stages_of_rank(0)) {

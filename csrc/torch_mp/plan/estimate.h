@@ -107,6 +107,8 @@ struct StageWork {
   int64_t saved_bytes = 0;
   double tp_bytes = 0;      ///< sent over the tensor group by its forward (as much by the backward)
   int64_t tp_messages = 0;  ///< tensor-group collectives of its forward (as many in the backward)
+  double cp_bytes = 0;      ///< sent around the context ring by its forward (twice as much back)
+  int64_t cp_messages = 0;  ///< the ring's steps in its forward (as many in the backward)
 };
 
 /// A layout's estimate.
@@ -114,7 +116,8 @@ struct Estimate {
   std::vector<RankEstimate> ranks;
   /// Floating-point operations of one step on one rank (forward, backward and recomputation).
   double flops_per_rank = 0;
-  /// Bytes each rank sends per step, by dimension ("tp", "pp", "dp").
+  /// Bytes each rank sends per step, by dimension ("tp", "pp", "dp", "cp"; "dp" over the data x
+  /// context group).
   std::map<std::string, double> bytes_sent;
   /// Of bytes_sent["dp"], what gathers the parameters (ZeRO-1/2 after the step, ZeRO-3 in the
   /// forward and the backward); the rest reduces the gradients.
@@ -129,13 +132,13 @@ struct Estimate {
 };
 
 /// Raises, naming the setting, if `layout` cannot take `model` (sizes not divisible, a sequence
-/// past the positions, what the trainer cannot run) or is not estimated yet (cp > 1, ep > 1,
+/// past the positions, what the trainer cannot run) or is not estimated yet (ep > 1,
 /// experts). `estimate` calls it first.
 void check_layout(const ModelShape& model, const Layout& layout);
 
 /// Estimates `layout` of `model`. Raises, naming the setting, on a layout the model cannot take
-/// (sizes not divisible, an unknown schedule or optimizer) or one not estimated yet (cp > 1,
-/// ep > 1, experts).
+/// (sizes not divisible, an unknown schedule or optimizer) or one not estimated yet (ep > 1,
+/// experts; cp > 1 of a traced model).
 Estimate estimate(const ModelShape& model, const Layout& layout);
 
 }  // namespace torch_mp::plan

@@ -39,13 +39,15 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
   const auto ring_latency = [&m](int64_t p) {
     return 2.0 * static_cast<double>(p - 1) * m.latency;
   };
-  const double tp_link = link("tp", l.tp), pp_link = link("pp", l.pp), dp_link = link("dp", l.dp);
+  const int64_t data = l.dp * l.cp;  // (the gradients are reduced over the data x context ranks)
+  const double tp_link = link("tp", l.tp), pp_link = link("pp", l.pp), dp_link = link("dp", data);
+  const double cp_link = link("cp", l.cp);
   const auto stages = static_cast<int64_t>(e.stages.size());
   const int64_t per_rank = stages / l.pp;
   const double recompute = l.recompute == Recompute::kFull ? 1.0 : 0.0;
 
   StepTime t;
-  double tp_per_microbatch = 0;  // the busiest stage's, forward and backward
+  double tp_per_microbatch = 0, cp_per_microbatch = 0;  // the busiest stage's, both ways
   for (const StageWork& s : e.stages) {
     // Matmuls at the machine's rate (and each operator's overhead), and the elementwise work as
     // traffic: what the forward saves is written once and read back (the backward moves about twice
@@ -56,11 +58,16 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
     const double tp =
         l.tp > 1 ? s.tp_bytes / tp_link + static_cast<double>(s.tp_messages) * ring_latency(l.tp)
                  : 0.0;
-    t.forward = std::max(t.forward, compute + tp);
+    // (the context ring's steps, counted as not hidden behind the attention)
+    const double cp =
+        l.cp > 1 ? s.cp_bytes / cp_link + static_cast<double>(s.cp_messages) * m.latency : 0.0;
+    t.forward = std::max(t.forward, compute + tp + cp);
     const double repeated = l.recompute == Recompute::kSelective ? s.attention_flops / m.flops : 0;
-    t.backward =
-        std::max(t.backward, (2.0 + recompute) * compute + repeated + (1.0 + recompute) * tp);
+    t.backward = std::max(t.backward,
+                          (2.0 + recompute) * compute + repeated + (1.0 + recompute) * tp +
+                              (2.0 + recompute) * cp);  // (the ring carries gradients back too)
     tp_per_microbatch = std::max(tp_per_microbatch, (2.0 + recompute) * tp);
+    cp_per_microbatch = std::max(cp_per_microbatch, (3.0 + recompute) * cp);
   }
   pipeline::CostModel costs;
   costs.forward = t.forward;
@@ -76,20 +83,20 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
   const double dp_bytes = e.bytes_sent.count("dp") ? e.bytes_sent.at("dp") : 0.0;
   const double reduced = dp_bytes - e.dp_gathered_bytes;
   double reduce = 0, gather = 0;
-  if (l.dp > 1) {
+  if (data > 1) {
     const double bucket = l.bucket_cap_mb * 1048576.0;
     const double buckets = std::max(1.0, std::ceil(reduced / bucket));
-    reduce = reduced / dp_link + buckets * ring_latency(l.dp);
-    gather = e.dp_gathered_bytes > 0 ? e.dp_gathered_bytes / dp_link + buckets * ring_latency(l.dp)
+    reduce = reduced / dp_link + buckets * ring_latency(data);
+    gather = e.dp_gathered_bytes > 0 ? e.dp_gathered_bytes / dp_link + buckets * ring_latency(data)
                                      : 0.0;
     t.data_parallel = std::max(reduce - t.backward, reduce / buckets) + gather;
   }
   // The optimizer reads and writes its state and the parameters it owns, and reads their
   // gradients.
   for (const RankEstimate& row : e.ranks) {
-    const int64_t owners = l.zero >= 1 && l.zero < 3 ? l.dp : 1;
+    const int64_t owners = l.zero >= 1 && l.zero < 3 ? data : 1;
     const double traffic = 2.0 * row.optimizer_state + 2.0 * row.parameters / owners +
-                           static_cast<double>(row.gradients) / (l.zero == 1 ? l.dp : 1);
+                           static_cast<double>(row.gradients) / (l.zero == 1 ? data : 1);
     t.optimizer = std::max(t.optimizer, traffic / m.memory_bandwidth);
   }
   t.seconds = t.pipeline + t.data_parallel + t.optimizer;
@@ -98,6 +105,7 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
   t.communication["tp"] = tp_per_microbatch * per_rank * l.num_microbatches;
   t.communication["pp"] = l.pp > 1 ? e.bytes_sent.at("pp") / pp_link : 0.0;
   t.communication["dp"] = reduce + gather;
+  t.communication["cp"] = cp_per_microbatch * per_rank * l.num_microbatches;
   return t;
 }
 
