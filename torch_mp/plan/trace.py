@@ -52,16 +52,18 @@ def _as_on_real_tensors():
     """transformers' mask as the ranks' real run builds it. On real tensors it reads the
     positions, finds one sequence per row, and passes ``is_causal`` to SDPA with the key and
     value heads as they are; a fake tensor cannot be read, so it would build the causal mask and
-    repeat the key and value heads (an [n, f]-sized difference per layer). The trace's rows are
-    one sequence each (positions 0 to seq_len - 1): said so here."""
+    repeat the key and value heads to every query head (bytes the real run never holds). The
+    trace's rows are one sequence each (positions 0 to seq_len - 1): said so here."""
     from transformers import masking_utils
 
-    original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is not None:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        if original is not None:
+            masking_utils.find_packed_sequence_indices = original
 
 
 def _bytes(t: torch.Tensor) -> int:
