@@ -8,6 +8,7 @@
 #include <string>
 
 #include "torch_mp/plan/estimate.h"
+#include "torch_mp/plan/sizes.h"
 #include "torch_mp/plan/time.h"
 
 namespace py = pybind11;
@@ -43,6 +44,7 @@ plan::Layout layout_of(const py::dict& layout) {
   get("schedule", l.schedule);
   get("optimizer", l.optimizer);
   get("bucket_cap_mb", l.bucket_cap_mb);
+  get("expert_load", l.expert_load);
   std::string recompute = "none";
   get("recompute", recompute);
   if (recompute == "full") {
@@ -102,8 +104,10 @@ void bind_plan(py::module_& m) {
          int64_t layers,
          int64_t experts,
          const py::dict& layout,
-         const py::object& traced) {
+         const py::object& traced,
+         int64_t top_k) {
         plan::ModelShape model{vocab, positions, hidden, heads, ffn, layers, experts};
+        model.top_k = top_k;
         if (!traced.is_none()) {
           const auto fields = traced.cast<py::dict>();
           const auto take = setter(fields);
@@ -111,6 +115,7 @@ void bind_plan(py::module_& m) {
           take("layer_parameters", t.layer_parameters);
           take("first_parameters", t.first_parameters);
           take("last_parameters", t.last_parameters);
+          take("first_units", t.first_units);
           take("tied_head", t.tied_head);
           take("layer_activations", t.layer_activations);
           take("layer_input", t.layer_input);
@@ -135,8 +140,20 @@ void bind_plan(py::module_& m) {
       py::arg("experts"),
       py::arg("layout"),
       py::arg("traced") = py::none(),
+      py::arg("top_k") = 2,
       "torch_mp::plan::estimate over dicts of the layout's fields and a traced model's "
       "(plan::Traced)");
+  m.def(
+      "plan_expert_load",
+      [](int64_t top_k, const py::dict& layout) {
+        plan::ModelShape model;
+        model.top_k = top_k;
+        return plan::detail::expert_load(model, layout_of(layout));
+      },
+      py::arg("top_k"),
+      py::arg("layout"),
+      "The rows the busiest rank's experts receive over their balanced share "
+      "(plan::Layout::expert_load, or its default)");
   m.def(
       "plan_step_time",
       [](const plan::Estimate& estimate, const py::dict& layout, const py::dict& machine) {

@@ -112,6 +112,33 @@ TEST(PlanEstimate, ATracedModelIsCountedFromItsShapesAndMeasuredBytes) {
   EXPECT_TRUE(mentions(error_of([&] { estimate(model, full); }), "recompute None or \"full\""));
 }
 
+// A module traced whole (torch_mp.plan.module): no layers, every parameter among the first with
+// its ZeRO-3 unit, split over data ranks only.
+TEST(PlanEstimate, AModuleTracedWholeIsShardedByItsUnitsAndSplitOverDataRanksOnly) {
+  Traced traced;
+  traced.first_parameters = {{96, 64}, {256, 64}, {64, 256}, {96, 64}};
+  traced.last_activations = 3000;
+  traced.last_backward = 700;
+  const ModelShape model{96, 0, 1, 1, 0, 0, 0, traced};
+  const RankEstimate plain = estimate(model, layout()).ranks.at(0);
+  EXPECT_EQ(plain.parameters, 4 * (2 * 96 * 64 + 2 * 256 * 64));
+  EXPECT_EQ(plain.activations, 3000 + 700);
+  // ZeRO-3 gathers one unit and prefetches the next: two of the largest, whole unit or units.
+  const RankEstimate one_unit = estimate(model, layout(2, 3)).ranks.at(0);
+  ModelShape units = model;
+  units.traced->first_units = {1, 2, 2, 3};
+  const RankEstimate three_units = estimate(units, layout(2, 3)).ranks.at(0);
+  EXPECT_EQ(one_unit.communication_buffers - one_unit.persistent_buffers,
+            2 * 4 * (2 * 96 * 64 + 2 * 256 * 64));
+  EXPECT_EQ(three_units.communication_buffers - three_units.persistent_buffers,
+            2 * 4 * (2 * 256 * 64));
+  for (const char* setting : {"tp", "pp"}) {
+    Layout split = layout();
+    (setting[0] == 't' ? split.tp : split.pp) = 2;
+    EXPECT_TRUE(mentions(error_of([&] { estimate(model, split); }), "split over data ranks only"));
+  }
+}
+
 TEST(PlanEstimate, ContextRanksHoldTheirShareOfTheTokensAndShardOverDataTimesContext) {
   Layout one = layout(), cp = layout();
   cp.cp = 2;
@@ -127,13 +154,30 @@ TEST(PlanEstimate, ContextRanksHoldTheirShareOfTheTokensAndShardOverDataTimesCon
   EXPECT_GT(estimate(kGpt, cp).bytes_sent.at("cp"), 0);
 }
 
+TEST(PlanEstimate, ExpertsAreSplitOverTheExpertGroupAndTheBusiestRankCounted) {
+  ModelShape moe = kGpt;
+  moe.experts = 4;  // each MLP 4 experts of ffn 256, 2 per token, and a [4, 64] router
+  const int64_t experts = 4 * 2 * 4 * 256 * 64;
+  const int64_t parameters = kParameters - 4 * 2 * 64 * 256 + experts + 4 * 4 * 64;
+  Layout l = layout(4);
+  EXPECT_EQ(estimate(moe, l).ranks.at(0).between_steps(), 16 * parameters);
+  l.ep = 4;  // a quarter of the experts each; the rest replicated
+  const Estimate split = estimate(moe, l);
+  EXPECT_EQ(split.ranks.at(0).between_steps(), 16 * (parameters - experts * 3 / 4));
+  EXPECT_GT(split.bytes_sent.at("ep"), 0);
+  l.expert_load = 1;  // balanced routing: below the default's busiest rank
+  EXPECT_LT(estimate(moe, l).ranks.at(0).activations, split.ranks.at(0).activations);
+  l.zero = 1;
+  EXPECT_TRUE(mentions(error_of([&] { estimate(moe, l); }), "zero must be 0"));
+}
+
 TEST(PlanEstimate, ALayoutTheModelCannotTakeIsRefusedByName) {
   Layout l = layout();
   l.tp = 3;
   EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "divisible by tp=3"));
   l = layout();
   l.ep = 2;
-  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "not estimated yet"));
+  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "needs MoE layers"));
   l = layout();
   l.cp = 3;  // (64 tokens do not cut into 6 balanced chunks)
   EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "divisible by 2 * cp"));

@@ -4,6 +4,8 @@ that would, and the command line prints the table and the command that runs the 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 
@@ -73,10 +75,25 @@ def test_a_hugging_face_decoder_is_planned_for_llama_py(capsys):
     assert " pp1 " in out and " pp2 " not in out  # (parallelize runs a decoder at pp 1)
 
 
-def test_a_model_not_estimated_is_refused_by_the_command_line(capsys):
-    argv = ["--model", "mixtral-8x7b", "--world", "64", "--seq", "4096", "--global-batch", "64"]
+def test_a_model_not_estimated_is_refused_by_the_command_line(capsys, tmp_path):
+    config = tmp_path / "gpt2.json"
+    config.write_text('{"model_type": "gpt2"}')
+    argv = ["--model", str(config), "--world", "8", "--seq", "1024", "--global-batch", "8"]
     assert main(argv) == 1
-    assert "mixtral" in capsys.readouterr().err
+    assert "model_type 'gpt2': not estimated yet" in capsys.readouterr().err
+
+
+def test_experts_are_planned_over_expert_groups(capsys):
+    # (in fp32: at ep > 1 the experts take no fp32 masters, which the bf16 recipe shards)
+    moe = dataclasses.replace(GPT, moe_experts=8, moe_top_k=2)
+    best = search(moe, memory="80GB", dtype=torch.float32, top=50, **RUN)
+    assert any(c.keywords["ep"] > 1 for c in best)
+    for c in best:
+        k = c.keywords
+        assert k["recompute"] is None and not k["sequence_parallel"] and k["cp"] == 1
+        assert k["ep"] == 1 or k["zero"] == 0
+    with_ep = next(c for c in best if c.keywords["ep"] > 1)
+    assert f"ep{with_ep.keywords['ep']}" in with_ep.describe()
 
 
 def test_python_m_torch_mp_plan_runs():
@@ -94,3 +111,27 @@ def test_python_m_torch_mp_plan_runs():
 def test_fp32_is_planned_without_the_recipe():
     best = search(GPT, memory="80GB", dtype=torch.float32, top=5, **RUN)
     assert all(c.keywords["dtype"] == torch.float32 for c in best)
+
+
+def test_a_mixtral_is_planned_for_mixtral_moe_py(capsys, tmp_path):
+    config = tmp_path / "mixtral.json"
+    sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    sizes |= dict(num_attention_heads=8, num_key_value_heads=4, vocab_size=1024)
+    config.write_text(json.dumps({"model_type": "mixtral", **sizes, "num_local_experts": 4}))
+    argv = ["--model", str(config), "--world", "8", "--seq", "512", "--global-batch", "8"]
+    assert main([*argv, "--fp32", "--top", "20"]) == 0
+    out = capsys.readouterr().out
+    assert " ep2 " in out or " ep4 " in out
+    assert "examples/python/mixtral_moe.py --tp " in out and "--experts 4 --top-k 2" in out
+
+
+@pytest.mark.parametrize(("zero", "flag"), [(0, None), (1, "--zero 1"), (3, "--zero 3")])
+def test_the_llama_command_runs_the_zero_stage_that_was_estimated(zero, flag):
+    from torch_mp.plan.__main__ import command, load_model
+
+    model = load_model("llama-8b")
+    keywords = {"tp": 8, "pp": 1, "dp": 8, "zero": zero, "recompute": None}
+    keywords |= {"dtype": torch.float32, "micro_batch": 1, "seq_len": 8192, "num_microbatches": 1}
+    candidate = plan.Candidate(keywords, None, 0)
+    line = command(candidate, model, 64, plan.Machine.load("h100")).splitlines()[-1]
+    assert (flag in line) if flag else ("--zero" not in line)

@@ -17,8 +17,9 @@ import torch
 from torch_mp import _C
 from torch_mp.plan.machine import Machine, parse_bytes
 from torch_mp.plan.measure import measure, measure_time
+from torch_mp.plan.module import trace_module, vocab_of
 from torch_mp.plan.search import Candidate, NothingFits, search
-from torch_mp.plan.trace import DECODERS, trace
+from torch_mp.plan.trace import DECODERS, MOE_DECODERS, trace
 
 __all__ = [
     "Candidate",
@@ -52,35 +53,48 @@ Estimate = _C.Estimate
 StepTime = _C.StepTime
 
 
-_TRACES: dict = {}  # traces by (config, tp, micro_batch, seq_len, dtype), oldest first
+_TRACES: dict = {}  # traces by (config, tp, ep, load, micro_batch, seq_len, dtype), oldest first
 
 
-def _shape(model, tp: int, micro_batch: int, seq_len: int, dtype: torch.dtype):
-    """The core's model arguments: the sizes, and for a Hugging Face decoder its trace."""
+def _shape(model, layout: dict, dtype: torch.dtype):
+    """The core's model arguments: the sizes, for a Hugging Face decoder its trace, and the
+    experts each token is routed to."""
     from torch_mp.models import GPTConfig
 
     config = getattr(model, "config", model)  # (a DenseGPT's or a Hugging Face model's)
     if isinstance(config, GPTConfig):
         sizes = (config.vocab, config.seq, config.hidden, config.heads, config.ffn)
-        return (*sizes, config.layers, config.moe_experts), None
+        return (*sizes, config.layers, config.moe_experts), None, config.moe_top_k
     kind = getattr(config, "model_type", None)
     if kind in DECODERS:
-        key = (config.to_json_string(), tp, micro_batch, seq_len, dtype)
+        experts = getattr(config, "num_local_experts", 0) if kind in MOE_DECODERS else 0
+        top_k = getattr(config, "num_experts_per_tok", 2)
+        tp, ep = layout["tp"], layout["ep"]
+        load = _C.plan_expert_load(top_k, layout) if experts else 1.0
+        key = (config.to_json_string(), tp, ep, load, layout["micro_batch"], layout["seq_len"])
+        key += (dtype,)
         if key not in _TRACES:  # (the planner estimates many layouts of one trace)
             if len(_TRACES) >= 64:
                 _TRACES.pop(next(iter(_TRACES)))
             _TRACES[key] = trace(
-                config, tp=tp, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype
+                config, tp=tp, **_sizes(layout), dtype=dtype, ep=ep, expert_load=load
             )
-        traced = _TRACES[key]
         heads = config.num_attention_heads
         sizes = (config.vocab_size, 0, config.hidden_size, heads, config.intermediate_size)
-        return (*sizes, config.num_hidden_layers, 0), traced
-    taken = "a torch_mp.models.GPTConfig or DenseGPT, or a Hugging Face config or model of "
+        return (*sizes, config.num_hidden_layers, experts), _TRACES[key], top_k
+    if isinstance(model, torch.nn.Module):  # any other language model, traced whole
+        traced = trace_module(model, **_sizes(layout), dtype=dtype)
+        return (vocab_of(model), 0, 1, 1, 0, 0, 0), traced, 2
+    taken = "a torch_mp.models.GPTConfig or DenseGPT, a Hugging Face config or model of "
     raise TypeError(
-        f"plan.estimate: model must be {taken}model_type {', '.join(DECODERS)}; got "
+        f"plan.estimate: model must be {taken}model_type {', '.join(DECODERS)}, or an "
+        f"nn.Module language model (torch_mp.plan.module); got "
         f"{type(model).__name__}" + (f" (model_type {kind!r}: not estimated yet)" if kind else "")
     )
+
+
+def _sizes(layout: dict) -> dict:
+    return {"micro_batch": layout["micro_batch"], "seq_len": layout["seq_len"]}
 
 
 def _bytes(dtype: torch.dtype | None, what: str) -> int:
@@ -110,6 +124,7 @@ def estimate(
     optimizer: str = "adamw",
     sequence_parallel: bool = False,
     bucket_cap_mb: float = 25.0,
+    expert_load: float | None = None,
     machine: Machine | str | None = None,
 ) -> Estimate:
     """What ``model`` trained at this layout costs each rank, as a steady step allocates it.
@@ -119,10 +134,15 @@ def estimate(
             on the meta device if it would not fit), trained as
             :class:`torch_mp.models.Trainer3D` trains it; or a Hugging Face Llama, Mistral or
             Qwen2 config (or a model of one, on any device), split as ``torch_mp.parallelize``
-            with ``LLAMA_PLAN`` splits it and measured on fake tensors
-            (:mod:`torch_mp.plan.trace`).
+            with ``LLAMA_PLAN`` splits it, or a Mixtral config split as with ``MIXTRAL_PLAN``,
+            measured on fake tensors (:mod:`torch_mp.plan.trace`); or any other ``nn.Module``
+            language model (on the meta device or any other) that takes token ids and returns
+            logits, traced whole on fake tensors and split over data ranks only
+            (``torch_mp.DataParallel``; ``tp``, ``pp``, ``cp`` 1 and ``recompute`` None;
+            :mod:`torch_mp.plan.module`).
         tp, pp, dp, cp, ep: The mesh's sizes (cp: the GPT's, each sequence cut in 2 cp
-            balanced chunks; ep not estimated yet: it raises).
+            balanced chunks; ep: the experts of MoE layers, ``GPTConfig.moe_experts`` or
+            Mixtral's, over groups cut from the dp x cp ranks, at ZeRO 0).
         zero: 0 none; 1 the optimizer state sharded over the data ranks; 2 the gradients too;
             3 the parameters too (at pp 1).
         recompute: None, ``"selective"`` (the attention core) or ``"full"`` (each layer).
@@ -136,6 +156,10 @@ def estimate(
         optimizer: ``"adamw"`` or ``"adam"`` (two moments per parameter), ``"sgd"`` (none).
         sequence_parallel: Activations between the matmuls split over the tensor group.
         bucket_cap_mb: DataParallel's and the distributed optimizer's bucket size.
+        expert_load: MoE layers at ``ep > 1``: the rows the busiest rank's experts receive over
+            their balanced share (``micro_batch * seq_len * moe_top_k``), e.g. the imbalance a
+            run logs. None: what routing at random gives the busiest of ``ep`` ranks,
+            ``1 + sqrt(2 ln ep) * sqrt((ep - 1) / (ep * micro_batch * seq_len * top_k))``.
         machine: A :class:`Machine` (or the name or path of a machine file,
             :meth:`Machine.load`): the estimate's ``time`` is then its step on that machine.
 
@@ -167,14 +191,15 @@ def estimate(
         "schedule": schedule,
         "optimizer": optimizer,
         "bucket_cap_mb": float(bucket_cap_mb),
+        "expert_load": 0.0 if expert_load is None else float(expert_load),
     }
     try:
-        sizes, traced = _shape(model, tp, micro_batch, seq_len, dtype)
-        result = _C.plan_estimate(*sizes, layout, traced)
+        sizes, traced, top_k = _shape(model, layout, dtype)
+        result = _C.plan_estimate(*sizes, layout, traced, top_k)
         if machine is not None:
             if not isinstance(machine, Machine):
                 machine = Machine.load(machine)
-            mesh = {"tp": tp, "pp": pp, "dp": dp, "cp": cp}
+            mesh = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
             result.time = _C.plan_step_time(result, layout, machine.figures(dtype, mesh))
         return result
     except RuntimeError as error:

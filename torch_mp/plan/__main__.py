@@ -49,6 +49,18 @@ def named_models() -> dict:
         ),
         "gpt2-xl": GPTConfig(vocab=50257, seq=1024, hidden=1600, heads=25, ffn=6400, layers=48),
         "mixtral-8x7b": transformers.MixtralConfig(),
+        # Mixtral's sizes in the GPT of torch_mp.models (gelu experts, learned positions), which
+        # gpt_3d.py trains with pipelines and expert groups
+        "gpt-moe-8x7b": GPTConfig(
+            vocab=32000,
+            seq=32768,
+            hidden=4096,
+            heads=32,
+            ffn=14336,
+            layers=32,
+            moe_experts=8,
+            moe_top_k=2,
+        ),
     }
 
 
@@ -102,9 +114,20 @@ def command(candidate, model, world: int, machine: Machine) -> str:
     nodes = max(1, world // per_node)
     launch = f"torchrun --nnodes={nodes} --nproc-per-node={min(per_node, world)}"
     bf16 = k["dtype"].itemsize < 4
+    if getattr(model, "model_type", None) == "mixtral":
+        args = [f"--tp {k['tp']}", f"--ep {k['ep']}", f"--experts {model.num_local_experts}"]
+        args += [f"--top-k {model.num_experts_per_tok}", f"--batch {k['micro_batch']}"]
+        args += [f"--seq {k['seq_len']}", f"--hidden {model.hidden_size}"]
+        args += [f"--heads {model.num_attention_heads}", f"--ffn {model.intermediate_size}"]
+        args += [f"--layers {model.num_hidden_layers}"]
+        note = (
+            "# mixtral_moe.py trains in fp32 without ZeRO, one micro-batch a step, on its own "
+            f"small vocabulary: {k['num_microbatches']} such steps make one of the global batch"
+        )
+        return f"{note}\n{launch} examples/python/mixtral_moe.py {' '.join(args)}"
     if hasattr(model, "model_type"):
         args = [f"--tp {k['tp']}"]
-        args += ["--zero"] if k["zero"] >= 1 else []
+        args += [f"--zero {k['zero']}"] if k["zero"] and (k["zero"] == 3 or not bf16) else []
         args += ["--bf16"] if bf16 else []
         args += ["--recompute"] if k["recompute"] == "full" else []
         args += [f"--batch {k['micro_batch']}", f"--seq {k['seq_len']}"]
@@ -127,6 +150,9 @@ def command(candidate, model, world: int, machine: Machine) -> str:
     args += [f"--microbatches {k['num_microbatches']}", f"--seq {k['seq_len']}"]
     args += [f"--hidden {model.hidden}", f"--heads {model.heads}", f"--ffn {model.ffn}"]
     args += [f"--layers {model.layers}"]
+    if model.moe_experts:
+        args += [f"--moe-experts {model.moe_experts}", f"--moe-top-k {model.moe_top_k}"]
+        args += [f"--ep {k['ep']}"] if k["ep"] > 1 else []
     note = "# gpt_3d.py trains on its own character vocabulary (the estimate's is the model's)"
     return f"{note}\n{launch} examples/python/gpt_3d.py {' '.join(args)}"
 

@@ -126,7 +126,9 @@ class Machine:
         if self.gpus_per_node is None:
             return None
         span = 1  # the ranks from the group's first to its last
-        for d in _ORDER:
+        if dimension == "ep":  # ep consecutive ranks of a data x context group, tp apart
+            span = sizes.get("tp", 1) * sizes.get("ep", 1)
+        for d in _ORDER if dimension != "ep" else ():
             span *= sizes.get(d, 1)
             if d == dimension:
                 break
@@ -137,7 +139,7 @@ class Machine:
         """The core's plan::Machine (bytes/s) for a layout of ``sizes`` at ``dtype``."""
         links = {}
         group_sizes = {**sizes, "dp": sizes.get("dp", 1) * sizes.get("cp", 1)}  # (data x context)
-        for d in ("tp", "cp", "pp", "dp"):
+        for d in ("tp", "cp", "pp", "dp", "ep"):
             rate = self.link(d, sizes) if group_sizes.get(d, 1) > 1 else None
             if rate is not None:
                 links[d] = rate * 1e9

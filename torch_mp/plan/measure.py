@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import torch_mp
 from torch_mp._memory import PeakMemory
-from torch_mp.plan.trace import DECODERS
+from torch_mp.plan.trace import DECODERS, MOE_DECODERS
 
 __all__ = ["measure", "measure_time"]
 
@@ -41,7 +41,9 @@ def measure(
     steps: int = 3,
     mesh: torch_mp.Mesh | None = None,
 ) -> dict[str, int]:
-    """Trains ``model`` (a :class:`torch_mp.models.GPTConfig`) laid out as given for ``steps``
+    """Trains ``model`` (a :class:`torch_mp.models.GPTConfig`, a Hugging Face decoder's config,
+    or an ``nn.Module`` language model that can run, :mod:`torch_mp.plan.module`, on a copy)
+    laid out as given for ``steps``
     optimizer steps (the third on a steady state: the buffers that alternate between steps are
     all made by then) on this rank's share of random batches, and returns what this rank
     allocated from building the stages on: ``{"peak": bytes, "states": bytes,
@@ -54,13 +56,31 @@ def measure(
 
     mesh = mesh if mesh is not None else torch_mp.get_mesh()
     _check_mesh(mesh, {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}, "plan.measure")
+    if isinstance(getattr(model, "config", None), GPTConfig):
+        model = model.config  # (a DenseGPT: trained as its config says)
     if not isinstance(model, GPTConfig):
-        if getattr(model, "model_type", None) not in DECODERS or pp > 1 or zero > 2 or cp > 1:
+        config = getattr(model, "config", model)
+        decoder = getattr(config, "model_type", None) in DECODERS
+        module = not decoder and isinstance(model, torch.nn.Module)
+        if not (decoder or module) or pp > 1 or cp > 1:
             raise TypeError(
-                "plan.measure: model must be a GPTConfig, or a Hugging Face config of model_type "
-                f"{', '.join(DECODERS)} at pp 1, cp 1 and zero <= 2; got {type(model).__name__}"
+                "plan.measure: model must be a GPTConfig, a Hugging Face config of model_type "
+                f"{', '.join(DECODERS)} or an nn.Module language model (torch_mp.plan.module), "
+                f"at pp 1 and cp 1; got {type(model).__name__}"
             )
-        return _measure_decoder(model, mesh, zero, recompute, dtype, micro_batch, seq_len, steps)
+        if module and tp > 1:
+            raise ValueError(
+                f"plan.measure: a module traced whole is split over data ranks only, got tp={tp}"
+            )
+        if recompute not in (None, "full") or (recompute and not decoder):
+            raise ValueError(
+                f"plan.measure: a decoder takes recompute None or 'full', a module None; got "
+                f"{recompute!r}"
+            )
+        sizes = (micro_batch, seq_len, steps)
+        if decoder:
+            return _measure_decoder(config, mesh, zero, recompute == "full", dtype, *sizes)
+        return _measure_module(model, mesh, zero, dtype, *sizes)
     layout = dict(
         zero=zero,
         recompute=recompute,
@@ -192,40 +212,78 @@ def _gpt_run(config, layout: dict, steps: int):
 
 def _measure_decoder(config, mesh, zero, recompute, dtype, micro_batch, seq_len, steps):
     """A Hugging Face decoder trained as examples/python/llama.py trains it: split by
-    ``torch_mp.parallelize`` with ``LLAMA_PLAN``, under DataParallel (its gradients sharded at
-    ZeRO-2, fp32 main gradients in bf16), AdamW (the DistributedOptimizer at ZeRO-1/2, fp32
-    masters in bf16), every layer recomputed with ``recompute="full"``."""
+    ``torch_mp.parallelize`` with ``LLAMA_PLAN`` (Mixtral's with ``MIXTRAL_PLAN``), under
+    DataParallel (:func:`_train_data_parallel`), every layer recomputed with ``recompute``."""
     import functools
 
     import transformers
 
-    from torch_mp.parallelize import LLAMA_PLAN
+    from torch_mp.parallelize import LLAMA_PLAN, MIXTRAL_PLAN
 
-    if recompute not in (None, "full"):
+    config = copy.deepcopy(config)
+    config.use_cache = False
+
+    def build():
+        dense = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+        moe = config.model_type in MOE_DECODERS
+        model = torch_mp.parallelize(dense, mesh, plan=MIXTRAL_PLAN if moe else LLAMA_PLAN)
+        if recompute:
+            for layer in model.model.layers:
+                layer.forward = functools.partial(torch_mp.recompute, layer.forward)
+        return model
+
+    def step(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    def unit(module):  # (ZeRO-3: each decoder layer gathered as one)
+        return type(module).__name__.endswith("DecoderLayer")
+
+    sizes = (config.vocab_size, micro_batch, seq_len, steps)
+    return _train_data_parallel(build, step, mesh, zero, dtype, *sizes, unit=unit)
+
+
+def _measure_module(module, mesh, zero, dtype, micro_batch, seq_len, steps):
+    """A language model traced whole (:mod:`torch_mp.plan.module`): a copy of ``module`` in
+    ``dtype`` under DataParallel (:func:`_train_data_parallel`), trained on that module's
+    loss."""
+    from torch_mp.plan.module import loss, vocab_of
+
+    if any(p.is_meta for p in module.parameters()):
         raise ValueError(
-            f"plan.measure: a decoder takes recompute None or 'full', got {recompute!r}"
+            "plan.measure: the module is on the meta device; measure one that can run (the "
+            "estimate takes it on the meta device)"
         )
+
+    def build():
+        return copy.deepcopy(module).to(dtype)
+
+    def step(model, ids):
+        return loss(model(ids), ids)
+
+    vocab = vocab_of(module)
+    return _train_data_parallel(build, step, mesh, zero, dtype, vocab, micro_batch, seq_len, steps)
+
+
+def _train_data_parallel(
+    build, step, mesh, zero, dtype, vocab, micro_batch, seq_len, steps, unit=None
+):
+    """What a rank allocates to train ``build()`` for ``steps`` steps of ``step(model, ids)``
+    (the loss) on random token ids below ``vocab``: under DataParallel (its gradients sharded
+    at ZeRO-2, fp32 main gradients in bf16, its parameters at ZeRO-3 in units of ``unit``),
+    AdamW (the DistributedOptimizer at ZeRO >= 1, fp32 masters in bf16)."""
     bf16 = dtype == torch.bfloat16
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    tokens = [
-        torch.randint(config.vocab_size, (micro_batch, seq_len), generator=g) for _ in range(steps)
-    ]
-    config = copy.deepcopy(config)
-    config.use_cache = False
+    tokens = [torch.randint(vocab, (micro_batch, seq_len), generator=g) for _ in range(steps)]
     gc.collect()
     with PeakMemory() as memory:
-        dense = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
-        model = torch_mp.parallelize(dense, mesh, plan=LLAMA_PLAN)
-        del dense
-        if recompute == "full":
-            for layer in model.model.layers:
-                layer.forward = functools.partial(torch_mp.recompute, layer.forward)
-        sharded = zero >= 2 or bf16
+        model = build()
         wrapped = torch_mp.DataParallel(
             model,
             mesh=mesh,
-            shard_gradients=sharded,
+            shard_gradients=zero >= 2 or bf16,
+            shard_parameters=zero == 3,
+            unit=unit if zero == 3 else None,
             grad_dtype=torch.float32 if bf16 else None,
         )
         if zero >= 1 or bf16:
@@ -240,7 +298,7 @@ def _measure_decoder(config, mesh, zero, recompute, dtype, micro_batch, seq_len,
         gc.collect()
         for ids in tokens:
             optimizer.zero_grad()
-            wrapped(input_ids=ids, labels=ids).loss.backward()
+            step(wrapped, ids).backward()
             optimizer.step()
         gc.collect()
         states = memory.current

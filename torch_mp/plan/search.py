@@ -36,6 +36,8 @@ class Candidate:
         parts = [f"tp{k['tp']}", f"pp{k['pp']}", f"dp{k['dp']}"]
         if k.get("cp", 1) > 1:
             parts.append(f"cp{k['cp']}")
+        if k.get("ep", 1) > 1:
+            parts.append(f"ep{k['ep']}")
         parts.append(f"mb{k['micro_batch']}x{k['num_microbatches']}")
         if k["pp"] > 1:
             parts.append(k["schedule"])
@@ -59,12 +61,18 @@ def _divisors(n: int) -> list[int]:
 def _layouts(model, world: int, global_batch: int, seq_len: int, dtype, gpus_per_node):
     """Every combination to try (the estimate refuses those the model or the trainer cannot
     take: heads, ffn or layers not divisible, ZeRO-3 with a pipeline, ...)."""
-    from torch_mp.plan.trace import DECODERS
+    from torch_mp.plan.trace import DECODERS, MOE_DECODERS
 
     config = getattr(model, "config", model)
-    decoder = getattr(config, "model_type", None) in DECODERS
+    kind = getattr(config, "model_type", None)
+    decoder = kind in DECODERS
+    experts = getattr(config, "moe_experts", 0) or (
+        config.num_local_experts if kind in MOE_DECODERS else 0
+    )
     sixteen = dtype.itemsize < 4
-    for tp, cp in itertools.product(_divisors(world), [1] if decoder else [1, 2, 4, 8]):
+    # (MoE layers take no context parallelism, recomputation or sequence parallelism)
+    cps = [1] if decoder or experts else [1, 2, 4, 8]
+    for tp, cp in itertools.product(_divisors(world), cps):
         if world % (tp * cp) or seq_len % (2 * cp) or (gpus_per_node and tp * cp > gpus_per_node):
             continue  # (tensor and context groups across nodes: never worth it)
         for pp in [1] if decoder else _divisors(world // (tp * cp)):
@@ -80,16 +88,21 @@ def _layouts(model, world: int, global_batch: int, seq_len: int, dtype, gpus_per
                     zeros = [2] if sixteen else [0]
                 recomputes = [None, "full"] if decoder else [None, "selective", "full"]
                 parallel = [False, True] if tp > 1 and not decoder else [False]
-                for schedule, zero, recompute, sp in itertools.product(
-                    schedules, zeros, recomputes, parallel
+                if experts:
+                    recomputes, parallel = [None], [False]
+                # the experts over groups cut from the data ranks (at ZeRO 0 beyond one)
+                eps = [e for e in _divisors(dp * cp) if experts % e == 0] if experts else [1]
+                for schedule, zero, recompute, sp, ep in itertools.product(
+                    schedules, zeros, recomputes, parallel, eps
                 ):
-                    if schedule == "interleaved_1f1b" and microbatches % pp:
+                    if schedule == "interleaved_1f1b" and microbatches % pp or ep > 1 and zero:
                         continue
                     yield {
                         "tp": tp,
                         "pp": pp,
                         "dp": dp,
                         "cp": cp,
+                        "ep": ep,
                         "zero": zero,
                         "recompute": recompute,
                         "dtype": dtype,
@@ -179,7 +192,7 @@ def search(
 
     Args:
         model: What :func:`torch_mp.plan.estimate` takes (a GPTConfig, a Hugging Face Llama,
-            Mistral or Qwen2 config).
+            Mistral, Qwen2 or Mixtral config).
         world: Devices in all.
         memory: Bytes (or ``"80GB"``) each device has for the step; None: the machine's.
         seq_len, global_batch: Tokens of a sequence, sequences of a step (all data ranks').
@@ -191,8 +204,10 @@ def search(
     Tries tp x cp (within a node, when the machine says how many devices one has) x pp x dp over
     micro-batches of 1, 2, 4 and 8 sequences, the 1f1b and interleaved schedules, ZeRO 0-3,
     recomputation none, selective and full, and sequence parallelism; a Hugging Face decoder
-    at pp 1 and cp 1 with recomputation none or full (as ``torch_mp.parallelize`` runs it). What the
-    estimate refuses (sizes that do not divide, what the trainer cannot run) is left out.
+    at pp 1 and cp 1 with recomputation none or full (as ``torch_mp.parallelize`` runs it); with
+    MoE layers, ep over the divisors of dp x cp that divide the experts, at ZeRO 0 beyond ep 1,
+    without recomputation, sequence or context parallelism (what they take). What the estimate
+    refuses (sizes that do not divide, what the trainer cannot run) is left out.
 
     Returns:
         The candidates that fit, fastest step first.

@@ -8,6 +8,7 @@ The tests hold every row within :data:`PEAK_BOUND` of the measured peak and
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass
 
@@ -18,18 +19,33 @@ import torch_mp
 from torch_mp.models import GPTConfig
 from torch_mp.plan import estimate, measure
 
-__all__ = ["CONFIG", "LAYOUTS", "PEAK_BOUND", "STATES_BOUND", "Row", "compare", "table"]
+__all__ = [
+    "CONFIG",
+    "LAYOUTS",
+    "MOE_CONFIG",
+    "PEAK_BOUND",
+    "STATES_BOUND",
+    "Row",
+    "compare",
+    "out_of_bounds",
+    "table",
+]
 
-#: The model every layout trains: 4 layers, small enough for 4 ranks on 2 cores.
+#: The model the layouts train: 4 layers, small enough for 4 ranks on 2 cores.
 CONFIG = GPTConfig(vocab=65, seq=64, hidden=64, heads=4, ffn=256, layers=4)
+#: The layouts with ``"model": "moe"`` train it with a mixture of 4 experts (2 per token) for
+#: each MLP.
+MOE_CONFIG = dataclasses.replace(CONFIG, moe_experts=4, moe_top_k=2)
+_MODELS = {"gpt": CONFIG, "moe": MOE_CONFIG}
 PEAK_BOUND = 0.05
 STATES_BOUND = 0.02
 
 _BF16 = {"dtype": torch.bfloat16}
-#: Layouts by world size (each dict: estimate's keywords; micro_batch 2 and seq_len 64 unless
-#: given).
+_MOE = {"model": "moe"}
+#: Layouts by world size (each dict: estimate's keywords, micro_batch 2 and seq_len 64 unless
+#: given; and ``"model": "moe"`` for :data:`MOE_CONFIG`).
 LAYOUTS: dict[int, list[dict]] = {
-    1: [{}, {"recompute": "full"}, {"num_microbatches": 4}],
+    1: [{}, {"recompute": "full"}, {"num_microbatches": 4}, {**_MOE, "num_microbatches": 2}],
     2: [
         {"dp": 2},
         {"dp": 2, "zero": 1},
@@ -47,6 +63,9 @@ LAYOUTS: dict[int, list[dict]] = {
         {"dp": 2, "micro_batch": 1, "seq_len": 32},
         {"cp": 2},
         {"cp": 2, "zero": 2, "recompute": "full", "num_microbatches": 2},
+        {**_MOE, "dp": 2, "ep": 2},
+        {**_MOE, "tp": 2, **_BF16},
+        {**_MOE, "pp": 2, "num_microbatches": 4, "schedule": "zb_h1"},
     ],
     4: [
         {"cp": 2, "dp": 2, "zero": 1},
@@ -74,6 +93,9 @@ LAYOUTS: dict[int, list[dict]] = {
         },
         {"tp": 4},
         {"tp": 2, "dp": 2, **_BF16, "recompute": "selective"},
+        {**_MOE, "dp": 4, "ep": 4},
+        {**_MOE, "tp": 2, "dp": 2, "ep": 2},
+        {**_MOE, "pp": 2, "dp": 2, "ep": 2, "num_microbatches": 4},
     ],
 }
 
@@ -102,28 +124,37 @@ def describe(layout: dict) -> str:
     """``layout`` in estimate's keywords, defaults left out."""
     parts = []
     for key, value in layout.items():
+        if key == "model":
+            parts.append("MoE" if value == "moe" else value)
+            continue
         if key == "dtype":
             value = str(value).removeprefix("torch.")
         parts.append(f"{key}={value}")
     return ", ".join(parts) or "one rank"
 
 
+def mesh_key(layout: dict) -> tuple[int, int, int, int]:
+    """The (tp, pp, cp, ep) of ``layout``'s mesh."""
+    return tuple(layout.get(d, 1) for d in ("tp", "pp", "cp", "ep"))
+
+
 def compare(layouts: list[dict], meshes: dict | None = None) -> list[Row]:
     """Measures and estimates every layout on the current ranks (a collective: every rank calls
     it with the same layouts; their sizes' product must be the world size). ``meshes`` caches the
-    meshes by (tp, pp, cp) between calls. Returns the rows, the same on every rank."""
+    meshes by (tp, pp, cp, ep) between calls. Returns the rows, the same on every rank."""
     meshes = {} if meshes is None else meshes
     rows: list[Row] = []
     for layout in layouts:
         keywords = {"micro_batch": 2, "seq_len": 64, **layout}
-        key = (keywords.get("tp", 1), keywords.get("pp", 1), keywords.get("cp", 1))
+        config = _MODELS[keywords.pop("model", "gpt")]
+        key = mesh_key(keywords)
         if key not in meshes:
-            meshes[key] = torch_mp.init(tp=key[0], pp=key[1], cp=key[2], timeout=60)
-        mine = measure(CONFIG, mesh=meshes[key], **keywords)
+            meshes[key] = torch_mp.init(tp=key[0], pp=key[1], cp=key[2], ep=key[3], timeout=60)
+        mine = measure(config, mesh=meshes[key], **keywords)
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         gc.collect()
-        for row in estimate(CONFIG, **keywords).ranks:
+        for row in estimate(config, **keywords).ranks:
             ranks = [m for m in everyone if m["pipeline_rank"] in row.pipeline_ranks]
             rows.append(
                 Row(
@@ -136,6 +167,24 @@ def compare(layouts: list[dict], meshes: dict | None = None) -> list[Row]:
                 )
             )
     return rows
+
+
+def out_of_bounds(measured, estimated, mesh, layout: dict, name: str) -> str | None:
+    """``measured`` trained at ``layout`` on ``mesh`` (:func:`torch_mp.plan.measure`, a
+    collective) against the estimate of ``estimated`` (the same model, e.g. its config or built
+    on the meta device) at a layout of one kind of rank (pp 1), both at the busiest rank: None
+    within :data:`PEAK_BOUND` and :data:`STATES_BOUND`, else what is off, named ``name``."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, measure(measured, mesh=mesh, **layout))
+    peak, states = max(m["peak"] for m in everyone), max(m["states"] for m in everyone)
+    row = estimate(estimated, **layout).ranks[0]
+    peak_error, states_error = row.peak / peak - 1, row.between_steps / states - 1
+    if abs(peak_error) <= PEAK_BOUND and abs(states_error) <= STATES_BOUND:
+        return None
+    return (
+        f"{name} {layout}: peak {100 * peak_error:+.2f} %, between steps "
+        f"{100 * states_error:+.3f} %"
+    )
 
 
 def table(rows: list[Row]) -> str:
@@ -156,7 +205,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main() -> None:
-    meshes = {(1, 1, 1): torch_mp.init(timeout=60)}  # the world, from torchrun
+    meshes = {(1, 1, 1, 1): torch_mp.init(timeout=60)}  # the world, from torchrun
     rows = compare(LAYOUTS[dist.get_world_size()], meshes)
     if dist.get_rank() == 0:
         print(table(rows))

@@ -25,14 +25,66 @@ void check_layout(const ModelShape& model, const Layout& l) {
               "load-balanced cuts), got seq_len=",
               l.seq_len,
               model.traced ? " and a traced model" : "");
-  TORCH_CHECK(l.ep == 1 && model.experts == 0,
-              "plan.estimate: expert parallelism (ep > 1, MoE layers) is "
-              "not estimated yet; got cp=",
-              l.cp,
-              ", ep=",
+  positive(l.ep, "ep");
+  TORCH_CHECK(l.expert_load == 0 || l.expert_load >= 1,
+              "plan.estimate: expert_load is the busiest rank's rows over the balanced share (at "
+              "least 1; 0 for the default), got ",
+              l.expert_load);
+  TORCH_CHECK(l.ep == 1 || model.experts > 0,
+              "plan.estimate: expert parallelism (ep=",
               l.ep,
-              ", experts=",
-              model.experts);
+              ") needs MoE layers (GPTConfig.moe_experts)");
+  if (model.experts > 0) {
+    TORCH_CHECK(model.top_k >= 1 && model.top_k <= model.experts,
+                "plan.estimate: moe_top_k (",
+                model.top_k,
+                ") must be in [1, moe_experts=",
+                model.experts,
+                "]");
+    TORCH_CHECK(model.experts % l.ep == 0,
+                "plan.estimate: moe_experts (",
+                model.experts,
+                ") must be divisible by ep=",
+                l.ep);
+    TORCH_CHECK((l.dp * l.cp) % l.ep == 0,
+                "plan.estimate: ep=",
+                l.ep,
+                " must divide dp x cp=",
+                l.dp * l.cp,
+                " (the expert groups are cut from the data ranks)");
+    // What the GPT's MoE stages (torch_mp.models.GPTStage) refuse, and what is not estimated of
+    // a traced mixture of experts.
+    TORCH_CHECK(!l.sequence_parallel && l.cp == 1 && l.recompute == Recompute::kNone,
+                "plan.estimate: MoE layers take no sequence parallelism, no context "
+                "parallelism and no recomputation (got sequence_parallel=",
+                l.sequence_parallel,
+                ", cp=",
+                l.cp,
+                ", recompute ",
+                l.recompute == Recompute::kFull        ? "full"
+                : l.recompute == Recompute::kSelective ? "selective"
+                                                       : "none",
+                ")");
+    // What DataParallel and the distributed optimizer refuse: experts in sharded buckets.
+    TORCH_CHECK(
+        l.ep == 1 || (l.zero == 0 && (l.master_bytes == 0 || l.master_bytes == l.dtype_bytes)),
+        "plan.estimate: at ep > 1 the experts' parameters are not sharded over the data "
+        "ranks: zero must be 0 and no fp32 masters (the bf16 recipe shards the main "
+        "gradients); got ep=",
+        l.ep,
+        ", zero=",
+        l.zero);
+  }
+  TORCH_CHECK(!model.traced || model.layers > 0 ||
+                  (l.tp == 1 && l.pp == 1 && l.recompute == Recompute::kNone),
+              "plan.estimate: a module traced whole (not torch_mp's GPT or a Hugging Face "
+              "decoder of torch_mp.plan.DECODERS) is split over data ranks only: tp and pp "
+              "must be 1 and recompute None, got tp=",
+              l.tp,
+              ", pp=",
+              l.pp,
+              ", recompute ",
+              l.recompute == Recompute::kNone ? "None" : "set");
   if (model.traced) {  // (torch_mp.plan checked the config's sizes against tp when tracing)
     TORCH_CHECK(l.recompute != Recompute::kSelective && !l.sequence_parallel,
                 "plan.estimate: selective recomputation and sequence parallelism are torch_mp's "

@@ -4,37 +4,15 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <iomanip>
 #include <set>
-#include <sstream>
 
 #include "torch_mp/data_parallel/shard_layout.h"
 #include "torch_mp/pipeline/schedule.h"
+#include "torch_mp/plan/sizes.h"
 
 namespace torch_mp::plan {
-namespace {
 
-using data_parallel::ShardLayout;
-using pipeline::ActionKind;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// The sizes every count below is made of.
-struct Sizes {
-  // n: the tokens of a micro-batch one context rank holds; s: the whole sequence; c: cp
-  int64_t t, h, f, heads, vocab_shard, positions, n, s, c, d, stages, per_stage;
-  double sigma;  // share of the tokens each tensor rank holds between the layers' matmuls
-  bool masters;
-  const Traced* traced;  // a traced model's measurements, or null for the GPT's formulas
-};
-
-using Shapes = std::vector<std::vector<int64_t>>;
-
-// One tensor rank's parameter shapes: the first stage's before its layers, each layer's, and the
-// last stage's after them.
-struct Parts {
-  Shapes first, layer, last;
-};
+namespace detail {
 
 Parts parts_of(const Sizes& z) {
   const bool split = z.stages > 1;
@@ -53,11 +31,24 @@ Parts parts_of(const Sizes& z) {
       {{3 * h / t, h}, {h, h / t}, {h}, {h}, {z.f / t, h}, {h, z.f / t}},
       {{h}, {h}},  // the final norm's weight and bias
   };
+  if (z.moe()) {
+    parts.layer = moe_layer_parameters(z);
+  }
   if (split) {
     parts.last.push_back({z.vocab_shard, h});  // the head: a copy of the token embedding
   }
   return parts;
 }
+
+}  // namespace detail
+
+namespace {
+
+using data_parallel::ShardLayout;
+using pipeline::ActionKind;
+using namespace detail;  // NOLINT(google-build-using-namespace): the counts' sizes
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -68,7 +59,7 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 }
 
 // Parameters of stage `i`, in the order the stage holds them, each with its ZeRO-3 unit (0 for
-// the ends, 1 + j for the stage's layer j).
+// the ends unless the trace says, 1 + j for the stage's layer j).
 void stage_parameters(const Sizes& z,
                       int64_t i,
                       std::vector<int64_t>& numel,
@@ -81,7 +72,11 @@ void stage_parameters(const Sizes& z,
     }
   };
   if (i == 0) {
-    add(parts.first, 0);
+    const auto& units = z.traced != nullptr ? z.traced->first_units : std::vector<int64_t>{};
+    for (size_t k = 0; k < parts.first.size(); ++k) {
+      numel.push_back(numel_of(parts.first[k]));
+      unit.push_back(k < units.size() ? static_cast<size_t>(units[k]) : 0);
+    }
   }
   for (int64_t j = 0; j < z.per_stage; ++j) {
     add(parts.layer, static_cast<size_t>(1 + j));
@@ -104,50 +99,6 @@ ShardLayout buckets_of(const std::vector<int64_t>& numel,
   return ShardLayout::of(meta, l.dp, 0, l.bucket_cap_mb, "plan.estimate", units);
 }
 
-// Saved for the backward per micro-batch by one layer, as the layers save it: the residual
-// stream's two sums, the LayerNorms' outputs (their all-gathered inputs to the matmuls under
-// sequence parallelism) and statistics, q/k/v, the attention's output and log-sum-exp (fp32),
-// and the MLP's two [n, f/t] (before and after gelu).
-int64_t layer_full(const Sizes& z) {
-  if (z.traced != nullptr) {
-    return z.traced->layer_activations;
-  }
-  const double per_token =
-      z.d * (2.0 * z.h + 2.0 * z.h * z.sigma + 4.0 * z.h / z.t + 2.0 * z.f / z.t + 2.0 * z.sigma) +
-      4.0 * z.heads / z.t;
-  return static_cast<int64_t>(z.n * per_token);
-}
-
-int64_t layer_saved(const Sizes& z, Recompute recompute) {
-  switch (recompute) {
-    case Recompute::kFull:  // its input only
-      return z.traced != nullptr ? z.traced->layer_input
-                                 : static_cast<int64_t>(z.d * z.n * z.h * z.sigma);
-    case Recompute::kSelective:  // the attention core's log-sum-exp is recomputed
-      return layer_full(z) - 4 * z.n * z.heads / z.t;
-    case Recompute::kNone:
-      break;
-  }
-  return layer_full(z);
-}
-
-int64_t stage_activations(const Sizes& z, const Layout& l, int64_t i) {
-  int64_t bytes = z.per_stage * layer_saved(z, l.recompute);
-  if (z.traced != nullptr) {
-    return bytes + (i == 0 ? z.traced->first_activations : 0) +
-           (i == z.stages - 1 ? z.traced->last_activations : 0);
-  }
-  const int64_t residual = static_cast<int64_t>(z.d * z.n * z.h * z.sigma);
-  if (i == 0) {  // token ids (with tp: clamped and the out-of-shard mask), positions, the sum
-    bytes += z.n * 8 + (z.t > 1 ? z.n * 9 : 0) + z.s / z.c * 8 + residual;
-  }
-  if (i == z.stages - 1) {  // the final norm (output, stats), the logits, the loss's fp32 copy
-    bytes += residual + (l.sequence_parallel ? z.d * z.n * z.h : 0) +
-             static_cast<int64_t>(2 * z.d * z.n * z.sigma) + (z.d + 4) * z.n * z.vocab_shard;
-  }
-  return bytes;
-}
-
 // Operators one micro-batch's forward through stage `i` dispatches (each costs
 // Machine::op_overhead). The GPT's, counted at the dispatcher on torch_mp.models.DenseGPT: 41 a
 // layer, 6 for the embeddings, 13 for the final norm, the head and the loss.
@@ -156,40 +107,8 @@ int64_t operator_calls(const Sizes& z, int64_t i) {
   if (z.traced != nullptr) {
     return z.per_stage * z.traced->layer_operators + (last ? z.traced->last_operators : 0);
   }
-  return z.per_stage * 41 + (i == 0 ? 6 : 0) + (last ? 13 : 0);
-}
-
-// Held after a split backward's B until its W: the gradients of each weight's output (each
-// matrix's rows, per token), the head's included.
-int64_t weight_work(const Sizes& z, int64_t i) {
-  int64_t rows = 0;
-  for (const auto& shape : parts_of(z).layer) {
-    rows += shape.size() == 2 ? shape[0] : 0;
-  }
-  int64_t bytes = z.per_stage * z.d * z.n * rows;
-  if (i == z.stages - 1) {
-    bytes += z.d * z.n * z.vocab_shard;
-  }
-  return bytes;
-}
-
-// What a backward action holds beyond the saved activations while it runs: a recomputed
-// layer's activations, and the gradients being made (the GPT's largest: the MLP's).
-int64_t backward_transient(const Sizes& z, const Layout& l, int64_t stage, bool weight) {
-  const int64_t recomputed = l.recompute == Recompute::kFull ? layer_full(z) : 0;
-  if (z.traced != nullptr) {
-    const int64_t layer = z.traced->layer_backward + recomputed;
-    // On the last stage the layers' backward comes after the head's, whose saved tensors
-    // (counted among the live activations) are freed by then.
-    return stage == z.stages - 1 && !weight
-               ? std::max(z.traced->last_backward, layer - z.traced->last_activations)
-               : layer;
-  }
-  // The context ring's backward carries the keys and values and their gradients, two of each in
-  // flight (the one in use and the one arriving).
-  const int64_t ring = z.c > 1 ? 4 * z.d * z.n * z.h / z.t : 0;
-  return weight ? z.d * 3 * z.h / z.t * (z.n + z.h)
-                : z.d * (z.n * z.f / z.t + z.h * z.f / z.t + z.n * z.h) + recomputed + ring;
+  const int64_t layer = z.moe() ? moe_layer_operators(z) : 41;
+  return z.per_stage * layer + (i == 0 ? 6 : 0) + (last ? 13 : 0);
 }
 
 struct Walk {
@@ -269,7 +188,8 @@ double forward_flops(const Sizes& z, int64_t i) {
   }
   const double matmuls = 2.0 * z.n * (4.0 * z.h * z.h + 2.0 * z.h * z.f) / z.t;
   // QK^T and AV, causal: half of 4nsh
-  double flops = z.per_stage * matmuls + attention_flops(z);
+  double flops =
+      z.moe() ? z.per_stage * moe_layer_flops(z) : z.per_stage * matmuls + attention_flops(z);
   if (i == z.stages - 1) {
     flops += 2.0 * z.n * z.h * z.vocab_shard;
   }
@@ -328,7 +248,11 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
                 model.layers / stages,
                 l.sequence_parallel ? 1.0 / static_cast<double>(l.tp) : 1.0,
                 l.master_bytes != 0,
-                model.traced ? &*model.traced : nullptr};
+                model.traced ? &*model.traced : nullptr,
+                model.experts,
+                model.top_k,
+                l.ep,
+                expert_load(model, l)};
   const auto schedule =
       pipeline::make_schedule(l.schedule, stages, l.num_microbatches, stages_per_rank);
   const int64_t moments = l.optimizer == "sgd" ? 0 : 2;
@@ -433,18 +357,22 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
   const double ring = 2.0 * static_cast<double>(l.tp - 1) / static_cast<double>(l.tp);
   Layout kept = l;  // (what each stage saves without recomputation)
   kept.recompute = Recompute::kNone;
+  // Per layer, two all-reduces of [n, h] (or, under sequence parallelism, all-gathers and
+  // reduce-scatters of the same volume), as many in the backward; one in a MoE layer (its
+  // experts run whole on every tensor rank).
+  const int64_t tp_collectives = l.tp > 1 ? (z.moe() ? 1 : 2) * z.per_stage : 0;
   for (int64_t i = 0; i < stages; ++i) {
-    // Per layer, two all-reduces of [n, h] (or, under sequence parallelism, all-gathers and
-    // reduce-scatters of the same volume), as many in the backward.
     result.stages.push_back({forward_flops(z, i),
                              operator_calls(z, i),
                              attention_flops(z),
                              stage_activations(z, kept, i),
-                             l.tp > 1 ? 2.0 * ring * z.d * z.n * z.h * z.per_stage : 0.0,
-                             l.tp > 1 ? 2 * z.per_stage : 0,
+                             tp_collectives * ring * z.d * z.n * z.h,
+                             tp_collectives,
                              // the ring's keys and values, cp - 1 steps a layer
                              2.0 * (z.c - 1) * z.d * z.n * z.h / z.t * z.per_stage,
-                             (z.c - 1) * z.per_stage});
+                             (z.c - 1) * z.per_stage,
+                             z.per_stage * moe_layer_ep_bytes(z),
+                             l.ep > 1 ? 2 * z.per_stage : 0});
   }
   result.pp_message_bytes = static_cast<double>(z.d) * z.n * z.h * z.sigma;
   result.bytes_sent["tp"] = 2.0 * result.stages.front().tp_bytes * stages_per_rank *
@@ -453,6 +381,9 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
   // (the backward's ring carries the gradients too: twice the forward's)
   result.bytes_sent["cp"] = (3.0 + recompute_share) * result.stages.front().cp_bytes *
                             stages_per_rank * static_cast<double>(l.num_microbatches);
+  // (the all-to-alls' backwards are all-to-alls of the same volume)
+  result.bytes_sent["ep"] = 2.0 * result.stages.front().ep_bytes * stages_per_rank *
+                            static_cast<double>(l.num_microbatches);
   const int64_t grad_bytes = z.masters ? l.master_bytes : z.d;
   int64_t rank_numel = 0;
   for (const int64_t r : schedule.stages_of_rank(0)) {
@@ -463,42 +394,27 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
       rank_numel += n;
     }
   }
-  const double share = l.dp > 1 ? static_cast<double>(l.dp - 1) / l.dp : 0.0;
+  const auto share_of = [](int64_t group) {
+    return group > 1 ? static_cast<double>(group - 1) / static_cast<double>(group) : 0.0;
+  };
+  const double share = share_of(l.dp);
   // DDP: the gradients all-reduced; ZeRO-1/2: reduce-scattered and the parameters all-gathered;
-  // ZeRO-3: gathered twice (forward, backward).
-  const double dp_bytes = l.zero == 0   ? 2.0 * share * rank_numel * grad_bytes
-                          : l.zero <= 2 ? share * rank_numel * (grad_bytes + z.d)
-                                        : share * rank_numel * (grad_bytes + 2 * z.d);
+  // ZeRO-3: gathered twice (forward, backward). The experts' gradients (ep > 1, ZeRO 0) are
+  // all-reduced over the ranks that hold the same experts.
+  double dp_bytes = l.zero == 0   ? 2.0 * share * rank_numel * grad_bytes
+                    : l.zero <= 2 ? share * rank_numel * (grad_bytes + z.d)
+                                  : share * rank_numel * (grad_bytes + 2 * z.d);
+  if (l.ep > 1) {
+    double expert_numel = 0;  // (the experts' stacked weights: a layer's 3-d parameters)
+    for (const auto& shape : parts_of(z).layer) {
+      expert_numel += shape.size() == 3 ? static_cast<double>(numel_of(shape)) : 0.0;
+    }
+    expert_numel *= static_cast<double>(z.per_stage * stages_per_rank);
+    dp_bytes -= 2.0 * (share - share_of(l.dp / l.ep)) * expert_numel * grad_bytes;
+  }
   result.bytes_sent["dp"] = dp_bytes;
   result.dp_gathered_bytes = l.zero == 0 ? 0.0 : dp_bytes - share * rank_numel * grad_bytes;
   return result;
-}
-
-std::string Estimate::to_string() const {
-  std::ostringstream out;
-  const auto mib = [](int64_t bytes) {
-    std::ostringstream s;
-    s << std::fixed << std::setprecision(2) << bytes / 1048576.0;
-    return s.str();
-  };
-  out << std::left << std::setw(16) << "ranks" << std::right << std::setw(11) << "params"
-      << std::setw(11) << "grads" << std::setw(11) << "optimizer" << std::setw(11) << "buffers"
-      << std::setw(11) << "act/mb" << std::setw(9) << "in flt" << std::setw(11) << "activ."
-      << std::setw(11) << "peak" << "   (MiB)\n";
-  for (const auto& row : ranks) {
-    out << std::left << std::setw(16) << row.kind << std::right << std::setw(11)
-        << mib(row.parameters) << std::setw(11) << mib(row.gradients) << std::setw(11)
-        << mib(row.optimizer_state) << std::setw(11) << mib(row.communication_buffers)
-        << std::setw(11) << mib(row.activations_per_microbatch) << std::setw(9)
-        << row.microbatches_in_flight << std::setw(11) << mib(row.activations) << std::setw(11)
-        << mib(row.peak) << "\n";
-  }
-  out << std::scientific << std::setprecision(3) << "per rank and step: " << flops_per_rank
-      << " FLOPs; sent";
-  for (const auto& [dimension, bytes] : bytes_sent) {
-    out << " " << dimension << " " << bytes << " B";
-  }
-  return out.str();
 }
 
 }  // namespace torch_mp::plan

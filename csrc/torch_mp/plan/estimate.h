@@ -7,9 +7,11 @@
 // schedule's action list (pipeline::make_schedule), not from a formula.
 //
 // The model is the GPT of torch_mp.models (pre-LN layers without biases, learned positions, a
-// head tied to the token embedding), trained with AdamW by torch_mp.models.Trainer3D, or a model
+// head tied to the token embedding; with moe_experts, a mixture of experts for each MLP, its
+// experts over the expert group), trained with AdamW by torch_mp.models.Trainer3D, or a model
 // traced by torch_mp.plan (a Hugging Face decoder: its shapes and saved bytes measured on fake
-// tensors at the layout's sizes, ModelShape::traced).
+// tensors at the layout's sizes, ModelShape::traced; or any module traced whole, its layers
+// not told apart, split over data ranks only).
 
 #include <cstdint>
 #include <map>
@@ -20,12 +22,16 @@
 namespace torch_mp::plan {
 
 /// A decoder measured on one tensor rank (torch_mp.plan traces it on fake tensors) at the
-/// layout's micro-batch, sequence length, dtype and tensor-parallel size: its parameters' shapes
-/// and the bytes its forward saves for the backward, where no formula of the GPT's applies.
+/// layout's micro-batch, sequence length, dtype and tensor-parallel size, or a module traced whole
+/// (no layers: every parameter among the first, its bytes the last's): its parameters' shapes and
+/// the bytes its forward saves for the backward, where no formula of the GPT's applies.
 struct Traced {
   std::vector<std::vector<int64_t>> layer_parameters;  ///< one decoder layer's
   std::vector<std::vector<int64_t>> first_parameters;  ///< the token embedding (and positions)
   std::vector<std::vector<int64_t>> last_parameters;   ///< the final norm and an untied head
+  /// ZeRO-3's unit of each first parameter (empty: 0, the model's own). A module traced whole
+  /// (no layers) holds every parameter among the first, each in its DataParallel unit.
+  std::vector<int64_t> first_units;
   bool tied_head = false;         ///< the head is the token embedding (a copy at pp > 1)
   int64_t layer_activations = 0;  ///< saved by one layer per micro-batch
   int64_t layer_input = 0;        ///< one layer's input (what full recomputation keeps)
@@ -48,7 +54,8 @@ struct ModelShape {
   int64_t ffn = 0;
   int64_t layers = 0;
   int64_t experts = 0;           ///< MoE experts per layer (0: dense MLPs)
-  std::optional<Traced> traced;  ///< set: a traced decoder (positions and ffn unused)
+  std::optional<Traced> traced;  ///< set: a traced decoder or module (positions and ffn unused)
+  int64_t top_k = 2;             ///< the experts each token is routed to
 };
 
 enum class Recompute : uint8_t { kNone, kSelective, kFull };
@@ -67,6 +74,11 @@ struct Layout {
   std::string schedule = "1f1b";
   std::string optimizer = "adamw";  ///< "adamw" or "adam" (two moments), "sgd" (none)
   double bucket_cap_mb = 25.0;
+  /// MoE layers at ep > 1: the rows the busiest rank's experts receive over their balanced share
+  /// (n * top_k). 0: what routing at random gives the busiest of ep ranks, 1 + sqrt(2 ln ep) *
+  /// sqrt((ep - 1) / (ep * n * top_k)) (the expected largest of ep normal variables is at most
+  /// sqrt(2 ln ep) standard deviations above their mean).
+  double expert_load = 0;
 };
 
 /// One kind of rank (the ranks of one pipeline position; tensor and data ranks alike).
@@ -109,6 +121,8 @@ struct StageWork {
   int64_t tp_messages = 0;  ///< tensor-group collectives of its forward (as many in the backward)
   double cp_bytes = 0;      ///< sent around the context ring by its forward (twice as much back)
   int64_t cp_messages = 0;  ///< the ring's steps in its forward (as many in the backward)
+  double ep_bytes = 0;      ///< sent over the expert group by its forward (as much by the backward)
+  int64_t ep_messages = 0;  ///< all-to-alls of its forward (as many in the backward)
 };
 
 /// A layout's estimate.
@@ -116,8 +130,8 @@ struct Estimate {
   std::vector<RankEstimate> ranks;
   /// Floating-point operations of one step on one rank (forward, backward and recomputation).
   double flops_per_rank = 0;
-  /// Bytes each rank sends per step, by dimension ("tp", "pp", "dp", "cp"; "dp" over the data x
-  /// context group).
+  /// Bytes each rank sends per step, by dimension ("tp", "pp", "dp", "cp", "ep"; "dp" over the
+  /// data x context group, the experts' gradients over the ranks holding the same experts).
   std::map<std::string, double> bytes_sent;
   /// Of bytes_sent["dp"], what gathers the parameters (ZeRO-1/2 after the step, ZeRO-3 in the
   /// forward and the backward); the rest reduces the gradients.
@@ -132,13 +146,15 @@ struct Estimate {
 };
 
 /// Raises, naming the setting, if `layout` cannot take `model` (sizes not divisible, a sequence
-/// past the positions, what the trainer cannot run) or is not estimated yet (ep > 1,
-/// experts). `estimate` calls it first.
+/// past the positions, what the trainer cannot run: MoE layers with sequence or context
+/// parallelism or recomputation, experts sharded by ZeRO at ep > 1) or is not estimated yet (a
+/// traced model's context parallelism; a module traced whole at tp, pp > 1 or with
+/// recomputation). `estimate` calls it first.
 void check_layout(const ModelShape& model, const Layout& layout);
 
 /// Estimates `layout` of `model`. Raises, naming the setting, on a layout the model cannot take
-/// (sizes not divisible, an unknown schedule or optimizer) or one not estimated yet (ep > 1,
-/// experts; cp > 1 of a traced model).
+/// (sizes not divisible, an unknown schedule or optimizer) or one not estimated yet
+/// (check_layout). MoE layers are counted at the busiest rank's load (Layout::expert_load).
 Estimate estimate(const ModelShape& model, const Layout& layout);
 
 }  // namespace torch_mp::plan

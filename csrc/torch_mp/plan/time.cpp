@@ -41,13 +41,14 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
   };
   const int64_t data = l.dp * l.cp;  // (the gradients are reduced over the data x context ranks)
   const double tp_link = link("tp", l.tp), pp_link = link("pp", l.pp), dp_link = link("dp", data);
-  const double cp_link = link("cp", l.cp);
+  const double cp_link = link("cp", l.cp), ep_link = link("ep", l.ep);
   const auto stages = static_cast<int64_t>(e.stages.size());
   const int64_t per_rank = stages / l.pp;
   const double recompute = l.recompute == Recompute::kFull ? 1.0 : 0.0;
 
   StepTime t;
-  double tp_per_microbatch = 0, cp_per_microbatch = 0;  // the busiest stage's, both ways
+  // the busiest stage's, both ways
+  double tp_per_microbatch = 0, cp_per_microbatch = 0, ep_per_microbatch = 0;
   for (const StageWork& s : e.stages) {
     // Matmuls at the machine's rate (and each operator's overhead), and the elementwise work as
     // traffic: what the forward saves is written once and read back (the backward moves about twice
@@ -61,13 +62,20 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
     // (the context ring's steps, counted as not hidden behind the attention)
     const double cp =
         l.cp > 1 ? s.cp_bytes / cp_link + static_cast<double>(s.cp_messages) * m.latency : 0.0;
-    t.forward = std::max(t.forward, compute + tp + cp);
+    // (an all-to-all of p ranks: p - 1 messages)
+    const double ep = l.ep > 1
+                          ? s.ep_bytes / ep_link + static_cast<double>(s.ep_messages) *
+                                                       static_cast<double>(l.ep - 1) * m.latency
+                          : 0.0;
+    t.forward = std::max(t.forward, compute + tp + cp + ep);
     const double repeated = l.recompute == Recompute::kSelective ? s.attention_flops / m.flops : 0;
     t.backward = std::max(t.backward,
                           (2.0 + recompute) * compute + repeated + (1.0 + recompute) * tp +
-                              (2.0 + recompute) * cp);  // (the ring carries gradients back too)
+                              (2.0 + recompute) * cp +  // (the ring carries gradients back too)
+                              ep);
     tp_per_microbatch = std::max(tp_per_microbatch, (2.0 + recompute) * tp);
     cp_per_microbatch = std::max(cp_per_microbatch, (3.0 + recompute) * cp);
+    ep_per_microbatch = std::max(ep_per_microbatch, 2.0 * ep);
   }
   pipeline::CostModel costs;
   costs.forward = t.forward;
@@ -106,6 +114,7 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
   t.communication["pp"] = l.pp > 1 ? e.bytes_sent.at("pp") / pp_link : 0.0;
   t.communication["dp"] = reduce + gather;
   t.communication["cp"] = cp_per_microbatch * per_rank * l.num_microbatches;
+  t.communication["ep"] = ep_per_microbatch * per_rank * l.num_microbatches;
   return t;
 }
 

@@ -14,8 +14,8 @@ namespace torch_mp::plan {
 struct Machine {
   double flops = 0;             ///< FLOP/s one device achieves at the layout's dtype
   double memory_bandwidth = 0;  ///< bytes/s of one device's memory
-  /// Bytes/s each rank sends within a dimension's group ("tp", "pp", "dp"); needed for every
-  /// dimension of size > 1.
+  /// Bytes/s each rank sends within a dimension's group ("tp", "pp", "dp", "cp", "ep"); needed
+  /// for every dimension of size > 1.
   std::map<std::string, double> links;
   double latency = 0;  ///< seconds of one message (each step of a ring)
   /// Seconds each operator costs beyond its work (dispatch, autograd, a kernel's launch): what
