@@ -6,9 +6,9 @@
 //       [--cp N [--cp-method ring|all_gather|all_to_all]] [--moe-experts E [--ep N]] \
 //       [--save-every N --checkpoint DIR] [--resume] [--probe FILE] [--sample N]
 //
-// The model is gpt.h's (torch_mp.models.gpt's twin): token and learned position embeddings,
-// pre-LN transformer layers under a causal mask, a final LayerNorm and an output head tied to the
-// token embedding, initialised as GPT-2 is; trained byte by byte on Shakespeare's plays
+// The model is torch_mp/models/gpt.h's (torch_mp.models.gpt's twin): token and learned position
+// embeddings, pre-LN transformer layers under a causal mask, a final LayerNorm and an output head
+// tied to the token embedding, initialised as GPT-2 is; trained byte by byte on Shakespeare's plays
 // (gpt::kShakespeare, read from the repository's root, or --corpus FILE) with AdamW (warm-up,
 // then cosine decay) and clipping. At the end rank 0 prints text sampled from the trained model.
 //
@@ -51,6 +51,8 @@
 // torch_mp::checkpoint::export_dense and rebuilt on rank 0), for comparison with Python.
 
 #include <torch/torch.h>
+#include <torch_mp/models/gpt.h>
+#include <torch_mp/models/gpt_training.h>
 #include <torch_mp/torch_mp.h>
 
 #include <algorithm>
@@ -66,10 +68,9 @@
 #include <string>
 #include <vector>
 
-#include "gpt.h"
-
 namespace {
 
+namespace gpt = torch_mp::models;  // (the GPT of csrc/torch_mp/models/gpt.h)
 constexpr double kLossTolerance = 1e-5, kParameterTolerance = 1e-4;
 constexpr double kBf16LossTolerance = 1e-3, kBf16ParameterTolerance = 1e-2;
 

@@ -3,15 +3,16 @@
 //
 //   torchrun --standalone --no-python --nproc-per-node=2 build/examples/cpp/tp_gpt
 //
-// The model is gpt.h's (torch_mp.models.gpt's twin): token and learned position embeddings,
-// pre-LN transformer layers under a causal mask, a final LayerNorm and an output head tied to the
-// token embedding, here with a vocabulary of 1001 (which 2 and 4 do not divide) on random tokens.
-// In the parallel copy (one GptStage holding the whole model) the vocabulary is split (and
-// padded), the heads and the MLP are split in each layer, and the loss is
+// The model is torch_mp/models/gpt.h's (torch_mp.models.gpt's twin): token and learned position
+// embeddings, pre-LN transformer layers under a causal mask, a final LayerNorm and an output head
+// tied to the token embedding, here with a vocabulary of 1001 (which 2 and 4 do not divide) on
+// random tokens. In the parallel copy (one GptStage holding the whole model) the vocabulary is
+// split (and padded), the heads and the MLP are split in each layer, and the loss is
 // vocab_parallel_cross_entropy (the logits are never gathered). Rank 0 prints both losses per
 // step; the exit status is non-zero if they drift apart.
 
 #include <torch/torch.h>
+#include <torch_mp/models/gpt.h>
 #include <torch_mp/torch_mp.h>
 
 #include <algorithm>
@@ -23,9 +24,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "gpt.h"
-
 namespace {
+
+namespace gpt = torch_mp::models;
 
 constexpr int64_t kBatch = 4;
 constexpr int kSteps = 5;

@@ -2,9 +2,9 @@
 torchrun, saves a checkpoint that Python loads, and resumes from one that Python saved; the
 dense model's logits agree on both sides.
 
-Both sides run one model: examples/cpp/gpt.h is the C++ twin of torch_mp.models.DenseGPT (run
-here at GPTConfig's default sizes). Logits are compared to 1e-5: LibTorch's and Python's
-multi-head attention are the same maths in another order."""
+Both sides run one model: csrc/torch_mp/models/gpt.h is the C++ twin of
+torch_mp.models.DenseGPT (run here at GPTConfig's default sizes). Logits are compared to 1e-5:
+LibTorch's and Python's multi-head attention are the same maths in another order."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """torch_mp.models.gpt: GPT-2's initialisation, the learning-rate schedule, the byte corpus and
 sampling. (Training it on tp x pp x dp ranks against one process: test_gpt_3d.py; the C++
-twin, examples/cpp/gpt.h, is checked against the same numbers in tests/cpp/gpt_example_test.cpp.)"""
+twin, csrc/torch_mp/models/gpt.h, is checked against the same numbers in
+tests/cpp/models_gpt_test.cpp.)"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ pipeline stages (:class:`GPTStage`), sharded from it.
 The model: token and learned position embeddings, pre-LN transformer layers under a causal mask,
 a final LayerNorm and an output head tied to the token embedding, on ``[b, s]`` token ids,
 giving ``[s, b, vocab]`` logits. The C++ examples define the same model, corpus and batches
-(examples/cpp/gpt.h), with the same parameter names, so checkpoints cross the front ends.
+(csrc/torch_mp/models/gpt.h), with the same parameter names, so checkpoints cross the front ends.
 
 In the stages, the vocabulary (embedding rows, logits, loss), the attention heads and the MLP are
 split across the tensor group; with ``sequence_parallel`` the LayerNorms and residuals act on

@@ -53,7 +53,7 @@ def learning_rate(options: TrainingOptions, step: int) -> float:
     """The learning rate of step ``step`` (from 1): rising linearly to ``lr`` over the first
     ``warmup`` steps, then falling to ``min_lr`` along a half cosine that ends at step
     ``decay_steps`` (and staying there); ``lr`` throughout when ``decay_steps`` is 0. (The C++
-    example's schedule, examples/cpp/gpt.h, is the same.)"""
+    example's schedule, csrc/torch_mp/models/gpt_training.h, is the same.)"""
     if step <= options.warmup:
         return options.lr * step / options.warmup
     if options.decay_steps <= 0:

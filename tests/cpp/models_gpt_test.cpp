@@ -1,16 +1,20 @@
-// The C++ examples' GPT (examples/cpp/gpt.h): GPT-2's initialisation, the learning-rate schedule,
-// the byte corpus and sampling, against the same numbers as Python's (tests/python/test_gpt.py).
+// The GPT of torch_mp::models (csrc/torch_mp/models/gpt.h, what the C++ examples train): GPT-2's
+// initialisation, the learning-rate schedule, the byte corpus and sampling, against the same
+// numbers as Python's (tests/python/test_gpt.py).
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <string>
 
-#include "gpt.h"
+#include "torch_mp/models/gpt.h"
+#include "torch_mp/models/gpt_training.h"
 
 namespace {
 
-TEST(GptExample, EveryTableAndProjectionStartsAtGpt2sStandardDeviation) {
+namespace gpt = torch_mp::models;
+
+TEST(ModelsGpt, EveryTableAndProjectionStartsAtGpt2sStandardDeviation) {
   torch::manual_seed(0);
   constexpr int64_t kLayers = 4;
   gpt::DenseGpt model(gpt::Config{
@@ -41,7 +45,7 @@ TEST(GptExample, EveryTableAndProjectionStartsAtGpt2sStandardDeviation) {
   EXPECT_EQ(model->named_parameters().size(), 2 + 4 * kLayers + 2 * kLayers + 2);
 }
 
-TEST(GptExample, TheLearningRateWarmsUpThenFollowsAHalfCosineToMinLr) {
+TEST(ModelsGpt, TheLearningRateWarmsUpThenFollowsAHalfCosineToMinLr) {
   const gpt::LearningRate schedule{.lr = 1e-3, .warmup = 10, .decay_steps = 110, .min_lr = 1e-4};
   EXPECT_NEAR(schedule.at(1), 1e-4, 1e-12);
   EXPECT_NEAR(schedule.at(10), 1e-3, 1e-12);
@@ -51,7 +55,7 @@ TEST(GptExample, TheLearningRateWarmsUpThenFollowsAHalfCosineToMinLr) {
   EXPECT_EQ(gpt::LearningRate{.lr = 2e-3}.at(50), 2e-3);
 }
 
-TEST(GptExample, TheCorpusIsTheShippedTextAsBytes) {
+TEST(ModelsGpt, TheCorpusIsTheShippedTextAsBytes) {
   const gpt::Corpus corpus(std::string(TORCH_MP_SOURCE_DIR) + "/" + gpt::kShakespeare);
   EXPECT_EQ(corpus.decode(corpus.ids.slice(0, 0, 14)), "First Citizen:");
   EXPECT_EQ(corpus.vocab, static_cast<int64_t>(corpus.bytes.size()));
@@ -60,7 +64,7 @@ TEST(GptExample, TheCorpusIsTheShippedTextAsBytes) {
   EXPECT_TRUE(inputs.slice(1, 1).equal(target.slice(1, 0, 15)));
 }
 
-TEST(GptExample, SamplingContinuesThePromptGreedilyOrReproduciblyAtATemperature) {
+TEST(ModelsGpt, SamplingContinuesThePromptGreedilyOrReproduciblyAtATemperature) {
   torch::manual_seed(0);
   gpt::DenseGpt model(
       gpt::Config{.vocab = 20, .seq = 8, .hidden = 16, .heads = 2, .ffn = 32, .layers = 2});

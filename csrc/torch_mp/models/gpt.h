@@ -1,8 +1,9 @@
 #pragma once
-// A small GPT, defined once for the C++ examples (tp_gpt.cpp, gpt_3d.cpp): the one-process model
-// (DenseGpt) and its tensor-parallel pipeline stages (GptStage), sharded from it. It is the C++
-// twin of torch_mp.models.gpt: the same model, corpus and batches, and the same parameter names
-// (tok, pos, layers.<i>.*, norm), so a checkpoint either front end saves, the other loads.
+// A small GPT (torch_mp::models, what the C++ examples tp_gpt.cpp and gpt_3d.cpp train): the
+// one-process model (DenseGpt) and its tensor-parallel pipeline stages (GptStage), sharded from
+// it. It is the C++ twin of torch_mp.models.gpt: the same model, corpus and batches, and the same
+// parameter names (tok, pos, layers.<i>.*, norm), so a checkpoint either front end saves, the other
+// loads.
 //
 // The model: token and learned position embeddings, pre-LN transformer layers without biases
 // (initialised as GPT-2's: gpt2_init_std) under a causal mask (torch_mp::dense::TransformerLayer:
@@ -37,7 +38,7 @@
 #include <utility>
 #include <vector>
 
-namespace gpt {
+namespace torch_mp::models {
 
 namespace tp = torch_mp::tensor_parallel;
 
@@ -61,7 +62,8 @@ class Corpus {
   explicit Corpus(const std::string& path) {
     std::ifstream file(path, std::ios::binary);
     if (!file) {
-      throw std::runtime_error("gpt: cannot read " + path + " (run from the repository root)");
+      throw std::runtime_error("torch_mp::models::Corpus: cannot read " + path +
+                               " (run from the repository root)");
     }
     const std::string text{std::istreambuf_iterator<char>(file), {}};
     const std::set<unsigned char> alphabet(text.begin(), text.end());
@@ -125,30 +127,6 @@ inline std::optional<double> gpt2_init_std(const std::string& name, int64_t laye
   }
   return kStd;
 }
-
-/// AdamW's learning rate over the steps: torch_mp.models.TrainingOptions's schedule.
-struct LearningRate {
-  double lr = 3e-3;
-  int64_t warmup = 0;
-  int64_t decay_steps = 0;
-  double min_lr = 0.0;
-
-  /// At step `step` (from 1): rising linearly to lr over the first `warmup` steps, then falling
-  /// to min_lr along a half cosine that ends at step decay_steps (lr throughout when it is 0).
-  double at(int64_t step) const {
-    if (step <= warmup) {
-      return lr * static_cast<double>(step) / static_cast<double>(warmup);
-    }
-    if (decay_steps <= 0) {
-      return lr;
-    }
-    const double done =
-        std::min(1.0,
-                 static_cast<double>(step - warmup) /
-                     static_cast<double>(std::max<int64_t>(1, decay_steps - warmup)));
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * done));
-  }
-};
 
 /// [s, s]: -inf above the diagonal.
 inline torch::Tensor causal_mask(int64_t s) {
@@ -508,4 +486,4 @@ struct GptStageImpl : torch::nn::Module {
 };
 TORCH_MODULE(GptStage);
 
-}  // namespace gpt
+}  // namespace torch_mp::models
