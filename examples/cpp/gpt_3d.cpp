@@ -29,11 +29,12 @@
 //   reference takes each data rank's micro-batch as its own piece (each piece's load-balancing
 //   loss is that of its own tokens, as each rank computes it).
 //
-// With --check every rank also trains the dense model on the whole batch, and after every step
-// takes the stages' parameters (rounding differences would otherwise compound as the model
-// learns: examples/python/gpt_3d.py gives the measurements). Losses must agree to 1e-5 and the
-// token table (gathered) to 1e-4 after every step (AdamW scales each element's update by its own
-// gradient's root mean square, so elements inherit their gradient's relative error).
+// With --check every rank also trains the dense model on the whole batch (gpt_3d_reference.h),
+// and after every step takes the stages' parameters (rounding differences would otherwise
+// compound as the model learns: examples/python/gpt_3d.py gives the measurements). Losses must
+// agree to 1e-5 and the token table (gathered) to 1e-4 after every step (AdamW scales each
+// element's update by its own gradient's root mean square, so elements inherit their gradient's
+// relative error).
 //
 // --zero shards AdamW's state over the data ranks (torch_mp::DistributedOptimizer, ZeRO-1);
 // --zero 2 the gradients too (DataParallelOptions::shard_gradients, ZeRO-2). --bf16 trains bf16
@@ -68,11 +69,12 @@
 #include <string>
 #include <vector>
 
+#include "gpt_3d_reference.h"
+
 namespace {
 
 namespace gpt = torch_mp::models;  // (the GPT of csrc/torch_mp/models/gpt.h)
-constexpr double kLossTolerance = 1e-5, kParameterTolerance = 1e-4;
-constexpr double kBf16LossTolerance = 1e-3, kBf16ParameterTolerance = 1e-2;
+using gpt_3d::Reference;
 
 struct Args {
   int64_t tp = 1, pp = 1, dp = -1, cp = 1, ep = 1;
@@ -200,50 +202,6 @@ std::string scratch_file(const Args& a, const std::string& what) {
   return path.string();
 }
 
-/// `dense`'s parameters set to the tensors of the dense file `path`.
-void load_dense_file(gpt::DenseGpt& dense, const std::string& path) {
-  const auto weights = torch_mp::checkpoint::load_file(path);
-  torch::NoGradGuard no_grad;
-  for (auto& item : dense->named_parameters()) {
-    item.value().copy_(weights.at(item.key()));
-  }
-}
-
-/// The one-process run of the same recipe: AdamW over the model's parameters, or, with --bf16,
-/// over fp32 masters of its bf16 parameters (the gradients taken in fp32, the parameters
-/// written back rounded); clipped as the parallel run is.
-struct Reference {
-  gpt::DenseGpt model = nullptr;
-  bool bf16 = false;
-  std::vector<at::Tensor> params, masters;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
-
-  Reference(gpt::DenseGpt dense, bool bf16, double lr) : model(std::move(dense)), bf16(bf16) {
-    if (bf16) {
-      model->to(torch::kBFloat16);
-    }
-    params = model->parameters();
-    refresh_masters();
-    optimizer = std::make_unique<torch::optim::AdamW>(
-        masters, torch::optim::AdamWOptions(lr).weight_decay(0.01));
-  }
-  void refresh_masters() {
-    torch::NoGradGuard no_grad;
-    if (!bf16) {
-      masters = params;
-      return;
-    }
-    if (masters.empty()) {
-      for (const auto& p : params) {
-        masters.push_back(p.detach().to(torch::kFloat));
-      }
-    }
-    for (size_t i = 0; i < params.size(); ++i) {
-      masters[i].copy_(params[i]);
-    }
-  }
-};
-
 /// The dense model holding the stages' weights, on rank 0 (null elsewhere): exported to the
 /// dense file `exported` (a collective), rebuilt from it.
 gpt::DenseGpt gathered_model(const Args& a,
@@ -256,19 +214,8 @@ gpt::DenseGpt gathered_model(const Args& a,
     return nullptr;
   }
   gpt::DenseGpt dense(config_of(a, corpus.vocab));
-  load_dense_file(dense, exported);
+  gpt_3d::load_dense_file(dense, exported);
   return dense;
-}
-
-/// Every rank's `reference` takes the stages' parameters: exported to `path` (a collective) and
-/// read back once rank 0 has written it.
-void sync_reference(gpt::DenseGpt& reference,
-                    const std::vector<torch_mp::checkpoint::Stage>& stages,
-                    const std::shared_ptr<torch_mp::Mesh>& mesh,
-                    const std::string& path) {
-  torch_mp::checkpoint::export_dense(path, stages, mesh);
-  torch_mp::comm::all_reduce(torch::zeros({1}), mesh->world);  // rank 0 is past its export too
-  load_dense_file(reference, path);
 }
 
 /// Writes `a.probe`: a batch of tokens and the logits of the dense model holding the stages'
@@ -308,27 +255,59 @@ void show_sample(const Args& a,
       corpus.decode(ids[0]).c_str());
 }
 
-/// The largest |difference| between this rank's trained token table (first stage) and head
-/// (last stage), gathered over the tensor group, and the reference's table.
-double table_difference(const gpt::GptStage& mine, const gpt::DenseGpt& reference) {
-  double worst = 0.0;
-  for (const auto& table : {mine->tok, mine->head}) {
-    if (table) {
-      const auto gathered = table->to_dense()->weight;
-      worst = std::max(worst,
-                       (gathered.to(torch::kFloat) - reference->tok->weight.to(torch::kFloat))
-                           .abs()
-                           .max()
-                           .item<double>());
-    }
-  }
-  return worst;
+/// Rank 0's first line: the layout and the recipe.
+void print_layout(const Args& a, const gpt::Config& config, const torch_mp::Mesh& mesh, int zero) {
+  std::printf(
+      "gpt_3d: %lld layers of hidden size %lld, vocabulary %lld: tp=%lld x pp=%lld x "
+      "dp=%lld%s%s ranks%s, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s%s\n",
+      static_cast<long long>(a.layers),
+      static_cast<long long>(a.hidden),
+      static_cast<long long>(config.vocab),
+      static_cast<long long>(mesh.tp_size()),
+      static_cast<long long>(mesh.pp_size()),
+      static_cast<long long>(mesh.dp_size()),
+      a.cp > 1 ? (" x cp=" + std::to_string(a.cp) + " (" + a.cp_method + ")").c_str() : "",
+      a.moe_experts > 0 ? (" x ep=" + std::to_string(a.ep)).c_str() : "",
+      a.moe_experts > 0 ? (", MoE layers of " + std::to_string(a.moe_experts) + " experts (top " +
+                           std::to_string(a.moe_top_k) + ")")
+                              .c_str()
+                        : "",
+      a.schedule.c_str(),
+      a.sequence_parallel ? "on" : "off",
+      zero > 0 ? (zero > 1 ? ", AdamW and gradients sharded over the data ranks"
+                           : ", AdamW sharded over the data ranks")
+               : "",
+      a.bf16 ? ", bf16 with fp32 main gradients and masters" : "",
+      a.recompute.empty() ? "" : ", recompute ",
+      a.recompute.c_str());
 }
 
-void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
-  for (auto& group : optimizer.param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+/// The whole batch's loss: the last stage's, once per data rank (the context ranks' are the
+/// same mean over their sequences), averaged. A collective.
+double batch_loss(const std::optional<at::Tensor>& loss, const torch_mp::Mesh& mesh) {
+  auto shared = torch::zeros({1}, torch::kDouble);
+  if (loss && mesh.tp_rank() == 0 && mesh.cp_rank() == 0) {
+    shared[0] = loss->item<double>();
   }
+  return torch_mp::comm::all_reduce(shared, mesh.world).item<double>() /
+         static_cast<double>(mesh.dp_size());
+}
+
+/// AdamW, or at --zero its state sharded over the data ranks (torch_mp::DistributedOptimizer,
+/// ZeRO-1; with --bf16 over fp32 masters).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Args& a,
+                                                        const std::vector<at::Tensor>& parameters,
+                                                        const torch_mp::Mesh& mesh,
+                                                        int zero) {
+  const auto adamw = torch::optim::AdamWOptions(a.lr).weight_decay(0.01);
+  if (zero == 0) {
+    return std::make_unique<torch::optim::AdamW>(parameters, adamw);
+  }
+  auto sharded = torch_mp::DistributedOptimizerOptions().group(mesh.dp_cp_group);
+  if (a.bf16) {
+    sharded.master_dtype(torch::kFloat);
+  }
+  return std::make_unique<torch_mp::DistributedOptimizer>(parameters, adamw, sharded);
 }
 
 int run(int argc, char** argv) {
@@ -397,45 +376,12 @@ int run(int argc, char** argv) {
   }
   pipe.tie_parameters(tied);
   const auto parameters = mine->parameters();
-  // --zero: AdamW's state sharded over the data ranks (torch_mp::DistributedOptimizer, ZeRO-1).
-  const auto adamw = torch::optim::AdamWOptions(a.lr).weight_decay(0.01);
-  std::unique_ptr<torch::optim::Optimizer> owned_optimizer;
-  if (zero > 0) {
-    auto sharded = torch_mp::DistributedOptimizerOptions().group(mesh->dp_cp_group);
-    if (a.bf16) {
-      sharded.master_dtype(torch::kFloat);
-    }
-    owned_optimizer = std::make_unique<torch_mp::DistributedOptimizer>(parameters, adamw, sharded);
-  } else {
-    owned_optimizer = std::make_unique<torch::optim::AdamW>(parameters, adamw);
-  }
+  const auto owned_optimizer = make_optimizer(a, parameters, *mesh, zero);
   torch::optim::Optimizer& optimizer = *owned_optimizer;
   const gpt::LearningRate schedule{
       .lr = a.lr, .warmup = a.warmup, .decay_steps = a.decay_steps, .min_lr = a.min_lr};
   if (is_rank0) {
-    std::printf(
-        "gpt_3d: %lld layers of hidden size %lld, vocabulary %lld: tp=%lld x pp=%lld x "
-        "dp=%lld%s%s ranks%s, schedule %s, sequence parallel %s, torch_mp::DataParallel%s%s%s%s\n",
-        static_cast<long long>(a.layers),
-        static_cast<long long>(a.hidden),
-        static_cast<long long>(config.vocab),
-        static_cast<long long>(mesh->tp_size()),
-        static_cast<long long>(mesh->pp_size()),
-        static_cast<long long>(mesh->dp_size()),
-        a.cp > 1 ? (" x cp=" + std::to_string(a.cp) + " (" + a.cp_method + ")").c_str() : "",
-        a.moe_experts > 0 ? (" x ep=" + std::to_string(a.ep)).c_str() : "",
-        a.moe_experts > 0 ? (", MoE layers of " + std::to_string(a.moe_experts) + " experts (top " +
-                             std::to_string(a.moe_top_k) + ")")
-                                .c_str()
-                          : "",
-        a.schedule.c_str(),
-        a.sequence_parallel ? "on" : "off",
-        zero > 0 ? (zero > 1 ? ", AdamW and gradients sharded over the data ranks"
-                             : ", AdamW sharded over the data ranks")
-                 : "",
-        a.bf16 ? ", bf16 with fp32 main gradients and masters" : "",
-        a.recompute.empty() ? "" : ", recompute ",
-        a.recompute.c_str());
+    print_layout(a, config, *mesh, zero);
   }
   // Saved and loaded under DenseGpt's names.
   const std::vector<torch_mp::checkpoint::Stage> stages{{mine.ptr(), mine->dense_names()}};
@@ -463,56 +409,23 @@ int run(int argc, char** argv) {
         pipe.step(mine->first ? std::vector<at::Tensor>{share(inputs)} : std::vector<at::Tensor>{},
                   mine->last ? std::vector<at::Tensor>{share(target)} : std::vector<at::Tensor>{});
     torch_mp::clip_grad_norm_(parameters, a.clip, 2.0, mesh);
-    set_learning_rate(optimizer, schedule.at(step));
+    gpt_3d::set_learning_rate(optimizer, schedule.at(step));
     optimizer.step();
-    // The whole batch's loss: the last stage's, once per data rank (the context ranks' are the
-    // same mean over their sequences), averaged.
-    auto shared = torch::zeros({1}, torch::kDouble);
-    if (loss && mesh->tp_rank() == 0 && mesh->cp_rank() == 0) {
-      shared[0] = loss->item<double>();
-    }
-    const double value = torch_mp::comm::all_reduce(shared, mesh->world).item<double>() /
-                         static_cast<double>(mesh->dp_size());
+    const double value = batch_loss(loss, *mesh);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::string line =
         progress(step, a.steps, value, global_batch * a.seq * (step - first_step + 1) / seconds);
     if (a.check) {
-      auto& r = *reference;
-      r.optimizer->zero_grad();
-      r.model->zero_grad();
       // With MoE layers each data rank's micro-batch is a piece of its own (its load-balancing
       // loss that of its own tokens); the loss is the pieces' mean.
       const int64_t pieces = a.moe_experts > 0 ? mesh->dp_size() * a.microbatches : 1;
-      double expected = 0.0;
-      for (int64_t i = 0; i < pieces; ++i) {
-        const auto piece = inputs.chunk(pieces)[i];
-        auto [logits, aux_loss] = r.model->forward_with_aux(piece);
-        const auto part = (gpt::dense_loss(logits, target.chunk(pieces)[i]) + aux_loss) /
-                          static_cast<double>(pieces);
-        part.backward();
-        expected += part.item<double>();
-      }
-      if (r.bf16) {
-        for (size_t i = 0; i < r.params.size(); ++i) {
-          r.masters[i].mutable_grad() = r.params[i].grad().to(torch::kFloat);
-        }
-      }
-      torch::nn::utils::clip_grad_norm_(r.masters, a.clip);
-      set_learning_rate(*r.optimizer, schedule.at(step));
-      r.optimizer->step();
-      if (r.bf16) {
-        torch::NoGradGuard no_grad;
-        for (size_t i = 0; i < r.params.size(); ++i) {
-          r.params[i].copy_(r.masters[i]);
-        }
-      }
+      const double expected = reference->step(inputs, target, pieces, a.clip, schedule.at(step));
       worst_loss = std::max(worst_loss, std::abs(value - expected));
       // Collectives: compare the token table, then start the next step from the same weights.
-      worst_table = std::max(worst_table, table_difference(mine, r.model));
+      worst_table = std::max(worst_table, gpt_3d::table_difference(mine, reference->model));
       if (step < a.steps) {
-        sync_reference(r.model, stages, mesh, synced);
-        r.refresh_masters();
+        reference->sync(stages, mesh, synced);
       }
       char text[64];
       std::snprintf(text, sizeof(text), "  (one process: %.4f)", expected);
@@ -545,24 +458,7 @@ int run(int argc, char** argv) {
   if (is_rank0 && !synced.empty()) {
     std::filesystem::remove(synced);
   }
-  auto worst = torch::tensor({worst_loss, worst_table}, torch::kDouble);
-  worst = torch_mp::comm::all_reduce(worst, mesh->world, c10d::ReduceOp::MAX);
-  worst_loss = worst[0].item<double>();
-  worst_table = worst[1].item<double>();
-  const double loss_tolerance = a.bf16 ? kBf16LossTolerance : kLossTolerance;
-  const double table_tolerance = a.bf16 ? kBf16ParameterTolerance : kParameterTolerance;
-  const bool ok = worst_loss <= loss_tolerance && worst_table <= table_tolerance;
-  if (is_rank0) {
-    std::printf(
-        "agreement with the one-process reference (each step from the same parameters): losses "
-        "max |diff| %.2e (tolerance %.0e), token table max |diff| %.2e (tolerance %.0e): %s\n",
-        worst_loss,
-        loss_tolerance,
-        worst_table,
-        table_tolerance,
-        ok ? "OK" : "MISMATCH");
-  }
-  return ok ? EXIT_SUCCESS : EXIT_FAILURE;
+  return gpt_3d::agrees(worst_loss, worst_table, a.bf16, *mesh) ? EXIT_SUCCESS : EXIT_FAILURE;
 }
 
 }  // namespace

@@ -16,17 +16,16 @@ The format is specified in docs/checkpoint-format.md.
 """
 
 from torch_mp.checkpoint.checkpoint import (
-    CorruptBlock,
     async_save,
     consolidate,
     export_dense,
     load,
     load_dense,
     save,
-    verify,
 )
 from torch_mp.checkpoint.dense import dense_state_dict, load_dense_state_dict
 from torch_mp.checkpoint.safetensors import load_file, save_file
+from torch_mp.checkpoint.verify import CorruptBlock, verify
 
 __all__ = [
     "CorruptBlock",
