@@ -6,7 +6,8 @@ imported torch and torch_mp once (multiprocessing's "forkserver", which has star
 and initialised nothing a child could inherit half-done). ``World.run(fn, *args)`` runs the
 importable function ``fn(*args)`` on every rank, with ``torch.distributed`` initialised (Gloo, short
 timeout), and returns the per-rank results; an exception on any rank is raised here with that
-rank's traceback. A body that hangs past ``RUN_TIMEOUT`` kills the world and fails the test.
+rank's traceback. A body that hangs past ``RUN_TIMEOUT_S``, or raises on any rank, kills the world
+and fails the test; the next ``conftest.get_world`` starts a fresh one.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-GROUP_TIMEOUT_S = 20  # every collective in the workers; a hang becomes an error this fast
-RUN_TIMEOUT_S = 120  # one test body on all ranks
+# Every collective in the workers: a hang becomes an error this fast. Generous, because CI machines
+# can be slow enough that a healthy 4-rank all-reduce waits 20 s behind its peers' compute; the
+# tests that want a fault to surface fast make their own groups with short timeouts.
+GROUP_TIMEOUT_S = 60
+RUN_TIMEOUT_S = 300  # one test body on all ranks
 
 
 def free_port() -> int:
@@ -99,6 +103,10 @@ class World:
                 ) from timeout
             (results if ok else errors)[rank] = value
         if errors:
+            # A body that failed may leave its groups out of step (one rank past a collective the
+            # others never reached), and every later body on this world would fail with it: the
+            # next get_world starts a fresh one.
+            self.close(kill=True)
             first = min(errors)
             raise RankError(first, errors[first], sorted(errors))
         return [results[r] for r in range(self.size)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from multiprocess import GROUP_TIMEOUT_S
 
 # fp32 tolerances for every parallel-vs-dense comparison. rtol 1e-5 as the standard asks; atol
 # covers entries near zero, where a sum taken in a different order (the all-reduce of partial
@@ -45,6 +46,6 @@ def use_mesh(tp: int, pp: int = 1, cp: int = 1, ep: int = 1):
 
     key = (tp, pp, cp, ep)
     if key not in _meshes:
-        _meshes[key] = torch_mp.init(tp=tp, pp=pp, cp=cp, ep=ep, timeout=20)
+        _meshes[key] = torch_mp.init(tp=tp, pp=pp, cp=cp, ep=ep, timeout=GROUP_TIMEOUT_S)
     torch_mp.set_mesh(_meshes[key])
     return _meshes[key]
