@@ -176,6 +176,24 @@ struct Ring {
 constexpr int kKeysValuesTag = 0x6b76;        // "kv"
 constexpr int kKeysValuesGradTag = 0x646b76;  // "dkv"
 
+// Calls block(queries, keys, how) for every pair of this rank's query chunks and the chunks of the
+// key-value block that arrives at `step`, where they meet (none, all, or on the diagonal).
+template <typename Block>
+void for_each_meeting(
+    const Ring& r, int64_t step, int64_t local, bool is_causal, bool load_balance, Block&& block) {
+  const bool balanced = load_balance && is_causal;
+  const int64_t source = (r.rank - step + r.size) % r.size;
+  RECORD_FUNCTION("torch_mp::ring_attention compute", std::vector<c10::IValue>());
+  for (const auto& qc : chunks_of(r.rank, r.size, local, balanced)) {
+    for (const auto& kc : chunks_of(source, r.size, local, balanced)) {
+      const Meeting how = meeting(qc, kc, is_causal);
+      if (how != Meeting::kNone) {
+        block(qc, kc, how);
+      }
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
                                                        const at::Tensor& k,
                                                        const at::Tensor& v,
@@ -191,38 +209,33 @@ std::tuple<at::Tensor, at::Tensor> ring_forward_kernel(const at::Tensor& q,
   auto out = at::zeros(q.sizes(), accumulate);
   auto lse =
       at::full({batch, q.size(1), local}, -std::numeric_limits<double>::infinity(), accumulate);
-  const auto mine = chunks_of(r.rank, r.size, local, load_balance && is_causal);
   auto keys_values = at::cat({k, v}, 0).contiguous();  // [2b, kv heads, local, d]
   for (int64_t step = 0; step < r.size; ++step) {
-    const int64_t source = (r.rank - step + r.size) % r.size;
     std::optional<Ring::Transfer> next;
     if (step + 1 < r.size) {
       next = r.pass(keys_values, kKeysValuesTag);  // overlapped with this block's compute
     }
     const auto keys = keys_values.narrow(0, 0, batch);
     const auto values = keys_values.narrow(0, batch, batch);
-    {  // (the profiler's range of the block's compute)
-      RECORD_FUNCTION("torch_mp::ring_attention compute", std::vector<c10::IValue>());
-      for (const auto& qc : mine) {
-        for (const auto& kc : chunks_of(source, r.size, local, load_balance && is_causal)) {
-          const Meeting how = meeting(qc, kc, is_causal);
-          if (how == Meeting::kNone) {
-            continue;
-          }
-          const auto [block_out, block_lse] = block_forward(q.narrow(2, qc.offset, qc.length),
-                                                            keys.narrow(2, kc.offset, kc.length),
-                                                            values.narrow(2, kc.offset, kc.length),
-                                                            scale,
-                                                            how);
-          auto o = out.narrow(2, qc.offset, qc.length);
-          auto l = lse.narrow(2, qc.offset, qc.length);
-          const auto merged = at::logaddexp(l, block_lse);
-          o.copy_(o * at::exp(l - merged).unsqueeze(-1) +
-                  block_out * at::exp(block_lse - merged).unsqueeze(-1));
-          l.copy_(merged);
-        }
-      }
-    }
+    for_each_meeting(r,
+                     step,
+                     local,
+                     is_causal,
+                     load_balance,
+                     [&](const Chunk& qc, const Chunk& kc, Meeting how) {
+                       const auto [block_out, block_lse] =
+                           block_forward(q.narrow(2, qc.offset, qc.length),
+                                         keys.narrow(2, kc.offset, kc.length),
+                                         values.narrow(2, kc.offset, kc.length),
+                                         scale,
+                                         how);
+                       auto o = out.narrow(2, qc.offset, qc.length);
+                       auto l = lse.narrow(2, qc.offset, qc.length);
+                       const auto merged = at::logaddexp(l, block_lse);
+                       o.copy_(o * at::exp(l - merged).unsqueeze(-1) +
+                               block_out * at::exp(block_lse - merged).unsqueeze(-1));
+                       l.copy_(merged);
+                     });
     if (next) {
       keys_values = r.finish(*next);
     }
@@ -252,9 +265,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Te
   auto dq = at::zeros(q.sizes(), accumulate);
   auto keys_values = at::cat({k, v}, 0).contiguous();
   auto grads = at::zeros(keys_values.sizes(), accumulate);  // the travelling block's dK, dV
-  const auto mine = chunks_of(r.rank, r.size, local, load_balance && is_causal);
   for (int64_t step = 0; step < r.size; ++step) {
-    const int64_t source = (r.rank - step + r.size) % r.size;
     std::optional<Ring::Transfer> next;
     if (step + 1 < r.size) {
       next = r.pass(keys_values, kKeysValuesTag);
@@ -263,14 +274,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Te
     const auto values = keys_values.narrow(0, batch, batch);
     auto dk = grads.narrow(0, 0, batch);
     auto dv = grads.narrow(0, batch, batch);
-    {  // (the profiler's range of the block's compute)
-      RECORD_FUNCTION("torch_mp::ring_attention compute", std::vector<c10::IValue>());
-      for (const auto& qc : mine) {
-        for (const auto& kc : chunks_of(source, r.size, local, load_balance && is_causal)) {
-          const Meeting how = meeting(qc, kc, is_causal);
-          if (how == Meeting::kNone) {
-            continue;
-          }
+    for_each_meeting(
+        r,
+        step,
+        local,
+        is_causal,
+        load_balance,
+        [&](const Chunk& qc, const Chunk& kc, Meeting how) {
           const auto rows = [&](const at::Tensor& t) { return t.narrow(2, qc.offset, qc.length); };
           const auto [dq_c, dk_c, dv_c] = block_backward(rows(dout),
                                                          rows(q),
@@ -284,9 +294,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward_kernel(const at::Te
           dq.narrow(2, qc.offset, qc.length).add_(dq_c);
           dk.narrow(2, kc.offset, kc.length).add_(sum_heads(dk_c, kv_heads));
           dv.narrow(2, kc.offset, kc.length).add_(sum_heads(dv_c, kv_heads));
-        }
-      }
-    }
+        });
     if (r.size > 1) {
       // The block's gradients go on with it: after the last step they reach its owner.
       auto home = r.pass(grads, kKeysValuesGradTag);
