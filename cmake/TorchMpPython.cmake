@@ -9,6 +9,7 @@ Python3_add_library(_C MODULE WITH_SOABI
   csrc/python/bindings.cpp
   csrc/python/checkpoint_bindings.cpp
   csrc/python/data_parallel_bindings.cpp
+  csrc/python/layer_bindings.cpp
   csrc/python/optim_bindings.cpp
   csrc/python/pipeline_bindings.cpp
   csrc/python/plan_bindings.cpp

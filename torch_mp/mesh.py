@@ -274,11 +274,15 @@ def set_mesh(mesh: Mesh | None) -> None:
     _default_mesh = mesh
 
 
+def tp_group_or_default(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group``, or the default mesh's tensor-parallel group when None (the top-level
+    convenience of the layers and collectives; the C++ core's ``tp_group_or_default``)."""
+    return group if group is not None else get_mesh().tp_group
+
+
 def tp_group_name(group: dist.ProcessGroup | None) -> str:
     """The registry name of ``group``, or of the default mesh's tensor group when None.
 
     The C++ core looks groups up by this name (see csrc/python/bindings.cpp).
     """
-    if group is None:
-        group = get_mesh().tp_group
-    return group.group_name
+    return tp_group_or_default(group).group_name

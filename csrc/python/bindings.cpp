@@ -16,6 +16,7 @@ namespace py = pybind11;
 namespace torch_mp::python {
 void bind_checkpoint(py::module_& parent);        // checkpoint_bindings.cpp
 void bind_data_parallel(py::module_& parent);     // data_parallel_bindings.cpp
+void bind_layer_declarations(py::module_& m);     // layer_bindings.cpp
 void bind_optim(py::module_& parent);             // optim_bindings.cpp
 void bind_pipeline(py::module_& parent);          // pipeline_bindings.cpp
 void bind_plan(py::module_& module);              // plan_bindings.cpp
@@ -30,6 +31,7 @@ using torch_mp::python::resolve;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
+  torch_mp::python::bind_layer_declarations(m);
   torch_mp::python::bind_data_parallel(m);
   torch_mp::python::bind_optim(m);
   torch_mp::python::bind_pipeline(m);

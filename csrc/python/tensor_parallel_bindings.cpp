@@ -7,6 +7,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "python/common.h"
+#include "python/layer_bindings.h"
 #include "torch_mp/tensor_parallel/blocks.h"
 #include "torch_mp/tensor_parallel/conv.h"
 #include "torch_mp/tensor_parallel/cross_entropy.h"
@@ -20,8 +21,6 @@ namespace tp = torch_mp::tensor_parallel;
 
 namespace torch_mp::python {
 namespace {
-
-using Pair = std::array<int64_t, 2>;
 
 void bind_random(py::module_& m) {
   m.def(
@@ -111,24 +110,9 @@ void bind_sharding(py::module_& m) {
 }
 
 void bind_linear(py::module_& m) {
-  m.def("check_column_parallel_linear",
-        by_group_name(&tp::check_column_parallel_linear),
-        py::arg("in_features"),
-        py::arg("out_features"),
-        py::arg("bias"),
-        py::arg("gather_output"),
-        py::arg("sequence_parallel"),
-        py::arg("group"),
-        ReleaseGil());
-  m.def("check_row_parallel_linear",
-        by_group_name(&tp::check_row_parallel_linear),
-        py::arg("in_features"),
-        py::arg("out_features"),
-        py::arg("bias"),
-        py::arg("input_is_parallel"),
-        py::arg("sequence_parallel"),
-        py::arg("group"),
-        ReleaseGil());
+  bind_layer<tp::ColumnParallelLinearOptions>("ColumnParallelLinear",
+                                              &tp::check_column_parallel_linear);
+  bind_layer<tp::RowParallelLinearOptions>("RowParallelLinear", &tp::check_row_parallel_linear);
   m.def("init_parallel_linear_",
         by_group_name(&tp::init_parallel_linear_),
         py::arg("weight"),
@@ -149,13 +133,8 @@ void bind_vocabulary(py::module_& m) {
       },
       py::arg("vocab_size"),
       py::arg("group"));
-  m.def("check_vocab_parallel_embedding",
-        by_group_name(&tp::check_vocab_parallel_embedding),
-        py::arg("num_embeddings"),
-        py::arg("embedding_dim"),
-        py::arg("padding_idx"),
-        py::arg("group"),
-        ReleaseGil());
+  bind_layer<tp::VocabParallelEmbeddingOptions>("VocabParallelEmbedding",
+                                                &tp::check_vocab_parallel_embedding);
   m.def("init_vocab_parallel_embedding_",
         by_group_name(&tp::init_vocab_parallel_embedding_),
         py::arg("weight"),
@@ -176,113 +155,20 @@ void bind_vocabulary(py::module_& m) {
   m.def("has_fused_cuda_kernels", &tp::has_fused_cuda_kernels);
 }
 
-// nn.Conv2d's arguments as the core's Conv2dOptions. `padding` is a pair or "same"/"valid".
-torch::nn::Conv2dOptions conv2d_geometry(int64_t in_channels,
-                                         int64_t out_channels,
-                                         Pair kernel_size,
-                                         Pair stride,
-                                         const std::variant<Pair, std::string>& padding,
-                                         Pair dilation,
-                                         int64_t groups,
-                                         bool bias,
-                                         const std::string& padding_mode) {
-  const auto* pair = std::get_if<Pair>(&padding);
-  return tp::conv2d_options(in_channels,
-                            out_channels,
-                            kernel_size,
-                            stride,
-                            pair ? std::string() : std::get<std::string>(padding),
-                            pair ? *pair : Pair{0, 0},
-                            dilation,
-                            groups,
-                            bias,
-                            padding_mode);
-}
-
 void bind_conv(py::module_& m) {
-  // The geometry of a dense Conv2d, for the checks at construction.
-  py::class_<torch::nn::Conv2dOptions>(m, "Conv2dGeometry")
-      .def(py::init(&conv2d_geometry),
-           py::arg("in_channels"),
-           py::arg("out_channels"),
-           py::arg("kernel_size"),
-           py::arg("stride"),
-           py::arg("padding"),
-           py::arg("dilation"),
-           py::arg("groups"),
-           py::arg("bias"),
-           py::arg("padding_mode"))
-      .def("__copy__", [](const torch::nn::Conv2dOptions& self) { return self; })
-      .def("__deepcopy__",
-           [](const torch::nn::Conv2dOptions& self, const py::dict&) { return self; });
-  m.def("check_parallel_conv2d",
-        by_group_name(&tp::check_parallel_conv2d),
-        py::arg("geometry"),
-        py::arg("shard_dim"),
-        py::arg("flag"),
-        py::arg("group"),
-        ReleaseGil());
+  bind_layer<tp::ColumnParallelConv2dOptions>("ColumnParallelConv2d",
+                                              &tp::check_column_parallel_conv2d);
+  bind_layer<tp::RowParallelConv2dOptions>("RowParallelConv2d", &tp::check_row_parallel_conv2d);
 }
 
 void bind_blocks(py::module_& m) {
-  m.def(
-      "check_parallel_self_attention",
-      [](int64_t hidden_size,
-         int64_t num_heads,
-         bool bias,
-         double dropout,
-         bool sequence_parallel,
-         const std::string& group,
-         const std::string& context_group,
-         const std::string& context_method,
-         bool load_balance) {
-        tp::check_parallel_self_attention(hidden_size,
-                                          num_heads,
-                                          bias,
-                                          dropout,
-                                          sequence_parallel,
-                                          resolve(group),
-                                          group_named_or_none(context_group),
-                                          context_method,
-                                          load_balance);
-      },
-      py::arg("hidden_size"),
-      py::arg("num_heads"),
-      py::arg("bias"),
-      py::arg("dropout"),
-      py::arg("sequence_parallel"),
-      py::arg("group"),
-      py::arg("context_group") = "",
-      py::arg("context_method") = "ring",
-      py::arg("load_balance") = true,
-      ReleaseGil());
-  m.def("check_parallel_mlp",
-        by_group_name(&tp::check_parallel_mlp),
-        py::arg("hidden_size"),
-        py::arg("ffn_hidden_size"),
-        py::arg("bias"),
-        py::arg("activation"),
-        py::arg("dropout"),
-        py::arg("sequence_parallel"),
-        py::arg("group"),
-        ReleaseGil());
-  m.def("check_parallel_transformer_layer",
-        by_group_name(&tp::check_parallel_transformer_layer),
-        py::arg("norm_first"),
-        py::arg("layer_norm_eps"),
-        py::arg("recompute"),
-        py::arg("group"),
-        ReleaseGil());
-  m.def("check_parallel_conv_block",
-        by_group_name(&tp::check_parallel_conv_block),
-        py::arg("in_channels"),
-        py::arg("mid_channels"),
-        py::arg("out_channels"),
-        py::arg("kernel_size"),
-        py::arg("padding"),
-        py::arg("bias"),
-        py::arg("group"),
-        ReleaseGil());
+  bind_layer<tp::ParallelSelfAttentionOptions>("ParallelSelfAttention",
+                                               &tp::check_parallel_self_attention);
+  bind_layer<tp::ParallelMLPOptions>("ParallelMLP", &tp::check_parallel_mlp);
+  bind_layer<tp::LayerNormOptions>("LayerNorm", &tp::check_layer_norm);
+  bind_layer<tp::ParallelTransformerLayerOptions>("ParallelTransformerLayer",
+                                                  &tp::check_parallel_transformer_layer);
+  bind_layer<tp::ParallelConvBlockOptions>("ParallelConvBlock", &tp::check_parallel_conv_block);
   m.def("load_dense_qkv_",
         by_group_name(&tp::load_dense_qkv_),
         py::arg("weight"),

@@ -92,6 +92,43 @@ void check_same_across_ranks(const std::vector<int64_t>& values,
   TORCH_CHECK(false, msg.str());
 }
 
+void check_same_values_across_ranks(const std::vector<NamedValue>& values,
+                                    const GroupPtr& group,
+                                    const std::string& what) {
+  TORCH_CHECK(group, "torch_mp: a check across ranks was given no process group");
+  if (group->getSize() == 1) {
+    return;
+  }
+  std::vector<int64_t> compared;
+  for (const auto& v : values) {
+    compared.push_back(v.compared);
+  }
+  const auto all = rows_if_they_differ(at::tensor(compared, at::kLong), group);
+  if (!all.defined()) {
+    return;
+  }
+  std::ostringstream msg;
+  msg << disagreement(what, group);
+  const char* separator = " ";
+  for (size_t i = 0; i < values.size(); ++i) {
+    const auto column = all.select(1, static_cast<int64_t>(i));
+    if (column.eq(column[0]).all().item<bool>()) {
+      continue;
+    }
+    msg << separator << values[i].name << " (here " << values[i].shown;
+    if (values[i].numeric) {
+      msg << "; by rank [";
+      for (int64_t r = 0; r < column.size(0); ++r) {
+        msg << (r ? ", " : "") << column[r].item<int64_t>();
+      }
+      msg << "]";
+    }
+    msg << ")";
+    separator = ", ";
+  }
+  TORCH_CHECK(false, msg.str());
+}
+
 void check_same_text_across_ranks(const std::string& text,
                                   const GroupPtr& group,
                                   const std::string& what) {

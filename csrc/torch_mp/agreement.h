@@ -38,6 +38,24 @@ void check_same_across_ranks(const std::vector<int64_t>& values,
                              const GroupPtr& group,
                              const std::string& what);
 
+/// One value of a configuration compared across ranks (check_same_values_across_ranks).
+struct NamedValue {
+  std::string name;
+  /// What is compared: the value, or the bits or a digest of one that is not an integer.
+  int64_t compared;
+  /// The value as this rank shows it in the message.
+  std::string shown;
+  /// Whether `compared` is the value itself (then every rank's is shown).
+  bool numeric;
+};
+
+/// Raises on every rank unless `values` are the same on all ranks of the group, naming each
+/// value that differs, this rank's value of it and, for numbers, every rank's. `what` names the
+/// configuration ("ParallelMLP configuration").
+void check_same_values_across_ranks(const std::vector<NamedValue>& values,
+                                    const GroupPtr& group,
+                                    const std::string& what);
+
 /// Raises on every rank, quoting each rank's `text`, unless `text` is the same on all ranks of
 /// the group (compared in full through a digest; quoted up to 200 characters).
 void check_same_text_across_ranks(const std::string& text,

@@ -74,13 +74,13 @@ struct ParallelConvPair {
                    const Mesh& mesh)
       : column(nullptr), row(nullptr) {
     auto column_options = ColumnParallelConv2dOptions(kConvIn, kConvMid, geometry.kernel)
+                              .conv(conv_options(kConvIn, kConvMid, geometry))
                               .gather_output(gather_output)
                               .group(mesh.tp_group);
-    geometry.apply(column_options.conv());
     auto row_options = RowParallelConv2dOptions(kConvMid, kConvOut, geometry.kernel)
+                           .conv(conv_options(kConvMid, kConvOut, geometry))
                            .input_is_parallel(!gather_output)
                            .group(mesh.tp_group);
-    geometry.apply(row_options.conv());
     column = ColumnParallelConv2d(ColumnParallelConv2dImpl::from_dense(first, column_options));
     row = RowParallelConv2d(RowParallelConv2dImpl::from_dense(second, row_options));
   }

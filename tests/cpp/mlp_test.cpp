@@ -57,6 +57,8 @@ TEST_P(TensorParallel, TheMLPOperatorIsTheModulesForward) {
     auto parallel =
         ParallelMLPImpl::from_dense(seeded_mlp(), ParallelMLPOptions(8, 16).group(mesh.tp_group));
     const at::Tensor x = at::randn({5, 2, 8}, seeded_generator(93));
+    // The operator's options are the declared ParallelMLPOptions, by keyword after the
+    // tensors and `training`.
     const auto op = c10::Dispatcher::singleton()
                         .findSchemaOrThrow("torch_mp::parallel_mlp", "")
                         .typed<at::Tensor(const at::Tensor&,
@@ -64,9 +66,12 @@ TEST_P(TensorParallel, TheMLPOperatorIsTheModulesForward) {
                                           const std::optional<at::Tensor>&,
                                           const at::Tensor&,
                                           const std::optional<at::Tensor>&,
+                                          bool,
+                                          int64_t,
+                                          int64_t,
+                                          bool,
                                           c10::string_view,
                                           double,
-                                          bool,
                                           bool,
                                           c10::string_view)>();
     const auto through_operator = op.call(x,
@@ -74,10 +79,13 @@ TEST_P(TensorParallel, TheMLPOperatorIsTheModulesForward) {
                                           parallel->fc1->bias,
                                           parallel->fc2->weight,
                                           parallel->fc2->bias,
+                                          /*training=*/true,
+                                          8,
+                                          16,
+                                          true,
                                           "relu",
                                           0.0,
                                           false,
-                                          true,
                                           group_name(mesh.tp_group));
     EXPECT_TRUE(at::equal(through_operator, parallel(x))) << "rank " << mesh.rank;
   });

@@ -245,7 +245,7 @@ TEST_P(TensorParallelOnSeveralRanks, TransformerLayerRefusesAnUnknownOrDisagreei
         ParallelTransformerLayerImpl::from_dense(
             seeded_pre_ln_layer(), mesh.tp_group, false, mesh.rank == 0 ? "full" : "");
       },
-      "recompute]");
+      "recompute (here ");
 }
 
 }  // namespace

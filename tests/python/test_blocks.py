@@ -79,7 +79,10 @@ def _block_config_differs_between_ranks() -> list[str | None]:
 
 def test_block_configs_that_differ_between_ranks_raise_on_every_rank(world2):
     for norm_first, activation, dropout, tanh in world2.run(_block_config_differs_between_ranks):
-        assert "ParallelTransformerLayer configuration [norm_first" in norm_first
+        # Each names the option that differs, with this rank's value (and every rank's number).
+        assert "ParallelTransformerLayer configuration must be the same" in norm_first
+        assert "norm_first (here " in norm_first and "by rank [1, 0]" in norm_first
         assert "ParallelMLP configuration" in activation and "same on every rank" in activation
-        assert "ParallelSelfAttention configuration" in dropout
+        assert "activation (here " in activation and "hidden_size" not in activation
+        assert "ParallelSelfAttention configuration" in dropout and "dropout (here 0" in dropout
         assert "only relu and (exact) gelu" in tanh

@@ -1,19 +1,12 @@
-"""What the tensor-parallel block modules share: the group default, building children on the
-meta device and giving them storage afterwards."""
+"""What the tensor-parallel block modules share: building children on the meta device and
+giving them storage afterwards."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from torch_mp.mesh import get_mesh
 from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
-
-
-def tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """``group``, or the default mesh's tensor-parallel group when None."""
-    return group if group is not None else get_mesh().tp_group
 
 
 def column_row_pair(

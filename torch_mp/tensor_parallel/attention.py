@@ -16,16 +16,15 @@ from torch import nn
 
 from torch_mp import _C
 from torch_mp._group import SharesGroup
+from torch_mp._options import DeclaredOptions
 from torch_mp.context_parallel.sharding import _context_group
-from torch_mp.tensor_parallel._shell import (
-    column_row_pair,
-    empty_like_dense,
-    materialise,
-    tp_group,
-)
+from torch_mp.mesh import tp_group_or_default
+from torch_mp.tensor_parallel._shell import column_row_pair, empty_like_dense, materialise
 
 
-class ParallelSelfAttention(SharesGroup, nn.Module):
+class ParallelSelfAttention(
+    DeclaredOptions, SharesGroup, nn.Module, declared="ParallelSelfAttention"
+):
     """Multi-head self-attention with the heads split across the tensor-parallel group.
 
     A column-parallel QKV projection (this rank's heads of Q, K and V), attention over the local
@@ -33,7 +32,7 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
     and a reduce-scatter under sequence parallelism). Equals ``nn.MultiheadAttention`` applied
     as self-attention (``attn(x, x, x)``) on ``[s, b, h]`` input.
 
-    Args:
+    Args (the options the C++ core declares, csrc/torch_mp/tensor_parallel/attention.h):
         hidden_size: Embedding size ``h``; divisible by ``num_heads``.
         num_heads: Attention heads in all; divisible by the group size.
         bias: Biases on the projections.
@@ -62,51 +61,22 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
         ValueError: For a ``context_group`` without ``context_parallel``.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        bias: bool = True,
-        dropout: float = 0.0,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        *,
-        recompute_core: bool = False,
-        context_parallel: bool = False,
-        context_group: dist.ProcessGroup | None = None,
-        context_method: str = "ring",
-        load_balance: bool = True,
-        device=None,
-        dtype=None,
-    ) -> None:
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        self.group = tp_group(group)
-        self.recompute_core = recompute_core
-        self.tp_size = dist.get_world_size(self.group)
-        if context_group is not None and not context_parallel:
+        o = self._take_options(args, kwargs, group=tp_group_or_default)
+        if self.context_group is not None and not self.context_parallel:
             raise ValueError(
                 "ParallelSelfAttention: a context_group is given but context_parallel is off"
             )
-        self.context_group = _context_group(context_group) if context_parallel else None
-        self.context_method, self.load_balance = context_method, load_balance
-        _C.check_parallel_self_attention(
-            hidden_size,
-            num_heads,
-            bias,
-            dropout,
-            sequence_parallel,
-            self.group.group_name,
-            self._context_group_name,
-            context_method,
-            load_balance,
-        )
-        self.hidden_size, self.num_heads, self.dropout = hidden_size, num_heads, dropout
-        self.sequence_parallel = sequence_parallel
+        if self.context_parallel:
+            self.context_group = o["context_group"] = _context_group(self.context_group)
+        self.tp_size = dist.get_world_size(self.group)
+        self._check_options(o)
         self.qkv, self.proj = column_row_pair(
-            (hidden_size, 3 * hidden_size),
-            (hidden_size, hidden_size),
-            bias,
-            sequence_parallel,
+            (self.hidden_size, 3 * self.hidden_size),
+            (self.hidden_size, self.hidden_size),
+            self.bias,
+            self.sequence_parallel,
             self.group,
         )
         self.qkv._layout_parts = 3  # this rank's rows of Q, of K and of V
@@ -116,21 +86,9 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
     # C++ module's table.
     DENSE_NAMES = dict(_C.dense_names("ParallelSelfAttention"))
 
-    @property
-    def context_parallel(self) -> bool:
-        """Whether the sequence is split over a context group too."""
-        return self.context_group is not None
-
-    @property
-    def _context_group_name(self) -> str:
-        """The operators' context group: "" for none."""
-        return "" if self.context_group is None else self.context_group.group_name
-
     def reset_parameters(self) -> None:
         """Draws an ``nn.MultiheadAttention`` (as it initialises itself) and keeps our heads."""
-        self.load_dense(
-            nn.MultiheadAttention(self.hidden_size, self.num_heads, bias=self.qkv.bias is not None)
-        )
+        self.load_dense(nn.MultiheadAttention(self.hidden_size, self.num_heads, bias=self.bias))
 
     def load_dense(self, attention: nn.MultiheadAttention) -> None:
         """Copies this rank's heads of ``attention`` into the parameters."""
@@ -167,47 +125,27 @@ class ParallelSelfAttention(SharesGroup, nn.Module):
             self.proj.bias,
             attn_mask,
             is_causal,
-            self.num_heads,
-            self.dropout,
-            self.sequence_parallel,
             self.training,
-            self.group.group_name,
-            self.recompute_core,
-            self._context_group_name,
-            self.context_method,
-            self.load_balance,
+            **self._operator_options(),
         )
 
     @classmethod
-    def from_dense(
-        cls,
-        attention: nn.MultiheadAttention,
-        group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = False,
-        *,
-        context_parallel: bool = False,
-        context_group: dist.ProcessGroup | None = None,
-        context_method: str = "ring",
-        load_balance: bool = True,
-    ) -> ParallelSelfAttention:
-        """Shards ``attention`` (device and dtype kept, no random draws); the other arguments
-        as the constructor's."""
-        layer = cls(
-            attention.embed_dim,
-            attention.num_heads,
-            bias=attention.in_proj_bias is not None,
-            dropout=attention.dropout,
-            sequence_parallel=sequence_parallel,
-            group=group,
-            context_parallel=context_parallel,
-            context_group=context_group,
-            context_method=context_method,
-            load_balance=load_balance,
-            device="meta",
-        )
+    def from_dense(cls, attention: nn.MultiheadAttention, *args, **kwargs) -> ParallelSelfAttention:
+        """Shards ``attention`` (device and dtype kept, no random draws); ``group`` and
+        ``sequence_parallel`` (by position or keyword) and the keyword options as the
+        constructor's."""
+        taken = {
+            "hidden_size": attention.embed_dim,
+            "num_heads": attention.num_heads,
+            "bias": attention.in_proj_bias is not None,
+            "dropout": attention.dropout,
+        }
+        layer = cls._from_dense(attention, args, kwargs, taken)
         empty_like_dense(attention, layer)
         layer.load_dense(attention)
         return layer
+
+    _FROM_DENSE_POSITIONAL = ("group", "sequence_parallel")
 
     def to_dense(self) -> nn.MultiheadAttention:
         """The dense ``nn.MultiheadAttention`` (a collective)."""

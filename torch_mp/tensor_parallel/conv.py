@@ -1,8 +1,8 @@
 """Channel-parallel ``Conv2d`` layers.
 
-Thin ``nn.Module`` wrappers over the C++ core (csrc/torch_mp/tensor_parallel/conv.h), whose
-forwards are the operators ``torch.ops.torch_mp.column_parallel_conv2d`` /
-``row_parallel_conv2d``::
+Thin ``nn.Module`` wrappers over the C++ core (csrc/torch_mp/tensor_parallel/conv.h, which
+declares their options), whose forwards are the operators
+``torch.ops.torch_mp.column_parallel_conv2d`` / ``row_parallel_conv2d``::
 
     ColumnParallelConv2d   output channels split: weight [out/t, in, kh, kw], bias [out/t]
     RowParallelConv2d      input channels split:  weight [out, in/t, kh, kw], partial outputs
@@ -22,77 +22,41 @@ from torch.nn.modules.utils import _pair
 
 from torch_mp import _C
 from torch_mp._group import SharesGroup
-from torch_mp.mesh import get_mesh
+from torch_mp._options import DeclaredOptions
+from torch_mp.mesh import tp_group_or_default
 
 
-class _ParallelConv2d(SharesGroup, nn.Module):
-    """What the two layers share; subclasses set ``_SHARD_DIM`` and pass their flag
-    (``gather_output`` / ``input_is_parallel``) for the core's checks."""
+class _ParallelConv2d(DeclaredOptions, SharesGroup, nn.Module):
+    """What the two layers share; subclasses set ``_SHARD_DIM`` and their ``_OPERATOR``."""
 
     _SHARD_DIM: int
+    _OPERATOR: str
+    _PARAMETER_OPTIONS = frozenset({"bias"})
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size,
-        stride,
-        padding,
-        dilation,
-        groups: int,
-        bias: bool,
-        padding_mode: str,
-        group: dist.ProcessGroup | None,
-        device,
-        dtype,
-        flag: bool,
-    ) -> None:
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        self.group = group if group is not None else get_mesh().tp_group
+        o = self._take_options(
+            args,
+            kwargs,
+            kernel_size=_pair,
+            stride=_pair,
+            padding=lambda p: p if isinstance(p, str) else _pair(p),
+            dilation=_pair,
+            group=tp_group_or_default,
+        )
         self.tp_size = dist.get_world_size(self.group)
-        self.in_channels, self.out_channels = in_channels, out_channels
-        self.kernel_size, self.stride, self.dilation = (
-            _pair(kernel_size),
-            _pair(stride),
-            _pair(dilation),
-        )
-        self.padding = padding if isinstance(padding, str) else _pair(padding)
-        self.groups, self.padding_mode = groups, padding_mode
-        geometry = _C.Conv2dGeometry(
-            in_channels,
-            out_channels,
-            self.kernel_size,
-            self.stride,
-            self.padding,
-            self.dilation,
-            groups,
-            bias,
-            padding_mode,
-        )
-        _C.check_parallel_conv2d(geometry, self._SHARD_DIM, flag, self.group.group_name)
-        shape = [out_channels, in_channels, *self.kernel_size]
+        self._check_options(o)
+        shape = [self.out_channels, self.in_channels, *self.kernel_size]
         shape[self._SHARD_DIM] //= self.tp_size
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(shape, **factory))
-        if bias:
-            bias_size = shape[0] if self._SHARD_DIM == 0 else out_channels
+        if o["bias"]:
+            bias_size = shape[0] if self._SHARD_DIM == 0 else self.out_channels
             self.bias = nn.Parameter(torch.empty(bias_size, **factory))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
         self._register_layouts()
-
-    def _geometry_arguments(self) -> tuple:
-        """(stride, padding, padding_size, dilation, padding_mode) as the operators take them:
-        ``padding`` "same" or "valid", or "" for the numbers in ``padding_size``."""
-        named = isinstance(self.padding, str)
-        return (
-            self.stride,
-            self.padding if named else "",
-            (0, 0) if named else self.padding,
-            self.dilation,
-            self.padding_mode,
-        )
 
     def _register_layouts(self) -> None:
         _C.set_weight_and_bias_layout(
@@ -103,26 +67,29 @@ class _ParallelConv2d(SharesGroup, nn.Module):
         """Draws this rank's shard of a dense layer initialised exactly as ``nn.Conv2d`` is."""
         _C.init_sharded_like_dense_(self.weight, self.bias, self._SHARD_DIM, self.group.group_name)
 
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        operator = getattr(torch.ops.torch_mp, self._OPERATOR)
+        return operator(input, self.weight, self.bias, **self._operator_options())
+
     @classmethod
-    def from_dense(cls, conv: nn.Conv2d, group: dist.ProcessGroup | None = None, **kwargs):
+    def from_dense(cls, conv: nn.Conv2d, *args, **kwargs):
         """Shards a dense ``nn.Conv2d`` (device and dtype kept, no random draws).
 
-        ``kwargs`` are the parallel options (``gather_output`` / ``input_is_parallel``).
+        ``group`` (by position or keyword) and the parallel option (``gather_output`` /
+        ``input_is_parallel``) as the constructor's.
         """
-        layer = cls(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            stride=conv.stride,
-            padding=conv.padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            bias=conv.bias is not None,
-            padding_mode=conv.padding_mode,
-            group=group,
-            device="meta",
-            **kwargs,
-        )
+        taken = {
+            "in_channels": conv.in_channels,
+            "out_channels": conv.out_channels,
+            "kernel_size": conv.kernel_size,
+            "stride": conv.stride,
+            "padding": conv.padding,
+            "dilation": conv.dilation,
+            "groups": conv.groups,
+            "bias": conv.bias is not None,
+            "padding_mode": conv.padding_mode,
+        }
+        layer = cls._from_dense(conv, args, kwargs, taken)
         layer.to_empty(device=conv.weight.device)
         layer.to(dtype=conv.weight.dtype)
         layer.load_dense(conv)
@@ -158,19 +125,11 @@ class _ParallelConv2d(SharesGroup, nn.Module):
                 dense.bias.copy_(bias)
         return dense
 
-    def extra_repr(self) -> str:
-        return (
-            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-            f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
-            f"bias={self.bias is not None}, padding_mode={self.padding_mode!r}, "
-            f"tp_size={self.tp_size}"
-        )
 
-
-class ColumnParallelConv2d(_ParallelConv2d):
+class ColumnParallelConv2d(_ParallelConv2d, declared="ColumnParallelConv2d"):
     """An ``nn.Conv2d`` whose output channels are split across the tensor-parallel group.
 
-    Args:
+    Args (the options the C++ core declares):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
         padding_mode: As for ``nn.Conv2d`` (``groups`` must be 1; ``out_channels`` divisible by
             the group size).
@@ -186,60 +145,16 @@ class ColumnParallelConv2d(_ParallelConv2d):
     """
 
     _SHARD_DIM = 0
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size,
-        stride=1,
-        padding=0,
-        dilation=1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        gather_output: bool = False,
-        group: dist.ProcessGroup | None = None,
-        *,
-        device=None,
-        dtype=None,
-    ) -> None:
-        self.gather_output = gather_output
-        super().__init__(
-            in_channels,
-            out_channels,
-            kernel_size,
-            stride,
-            padding,
-            dilation,
-            groups,
-            bias,
-            padding_mode,
-            group,
-            device,
-            dtype,
-            gather_output,
-        )
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return torch.ops.torch_mp.column_parallel_conv2d(
-            input,
-            self.weight,
-            self.bias,
-            self.out_channels,
-            *self._geometry_arguments(),
-            self.gather_output,
-            self.group.group_name,
-        )
+    _OPERATOR = "column_parallel_conv2d"
 
 
-class RowParallelConv2d(_ParallelConv2d):
+class RowParallelConv2d(_ParallelConv2d, declared="RowParallelConv2d"):
     """An ``nn.Conv2d`` whose input channels are split across the tensor-parallel group.
 
     The partial outputs of the ranks are summed (all-reduce) and the bias, whole on every rank,
     is added once after the sum.
 
-    Args:
+    Args (the options the C++ core declares):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
         padding_mode: As for ``nn.Conv2d`` (``groups`` must be 1; ``in_channels`` divisible by
             the group size).
@@ -254,48 +169,4 @@ class RowParallelConv2d(_ParallelConv2d):
     """
 
     _SHARD_DIM = 1
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size,
-        stride=1,
-        padding=0,
-        dilation=1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        input_is_parallel: bool = True,
-        group: dist.ProcessGroup | None = None,
-        *,
-        device=None,
-        dtype=None,
-    ) -> None:
-        self.input_is_parallel = input_is_parallel
-        super().__init__(
-            in_channels,
-            out_channels,
-            kernel_size,
-            stride,
-            padding,
-            dilation,
-            groups,
-            bias,
-            padding_mode,
-            group,
-            device,
-            dtype,
-            input_is_parallel,
-        )
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return torch.ops.torch_mp.row_parallel_conv2d(
-            input,
-            self.weight,
-            self.bias,
-            self.in_channels,
-            *self._geometry_arguments(),
-            self.input_is_parallel,
-            self.group.group_name,
-        )
+    _OPERATOR = "row_parallel_conv2d"

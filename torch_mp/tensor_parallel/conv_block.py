@@ -11,8 +11,10 @@ from torch.nn import functional as F
 
 from torch_mp import _C
 from torch_mp._group import SharesGroup
+from torch_mp._options import DeclaredOptions
 from torch_mp.dense import ConvBlock
-from torch_mp.tensor_parallel._shell import empty_like_dense, materialise, tp_group
+from torch_mp.mesh import tp_group_or_default
+from torch_mp.tensor_parallel._shell import empty_like_dense, materialise
 from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2d
 
 
@@ -29,7 +31,7 @@ class ChannelParallelBatchNorm2d(SharesGroup, nn.BatchNorm2d):
 
     def __init__(self, num_features: int, group: dist.ProcessGroup | None = None, **kwargs) -> None:
         super().__init__(num_features, **kwargs)
-        self.group = tp_group(group)
+        self.group = tp_group_or_default(group)
         self._register_layouts()
 
     def _register_layouts(self) -> None:
@@ -42,7 +44,7 @@ class ChannelParallelBatchNorm2d(SharesGroup, nn.BatchNorm2d):
         cls, norm: nn.BatchNorm2d, group: dist.ProcessGroup | None = None
     ) -> ChannelParallelBatchNorm2d:
         """This rank's channels of ``norm`` (device and dtype kept)."""
-        group = tp_group(group)
+        group = tp_group_or_default(group)
         t = dist.get_world_size(group)
         if norm.num_features % t:
             raise ValueError(
@@ -95,7 +97,7 @@ class ChannelParallelBatchNorm2d(SharesGroup, nn.BatchNorm2d):
         return dense
 
 
-class ParallelConvBlock(SharesGroup, nn.Module):
+class ParallelConvBlock(DeclaredOptions, SharesGroup, nn.Module, declared="ParallelConvBlock"):
     """``conv2(relu(norm(conv1(x))))`` with the middle channels split across the group.
 
     ``conv1`` is a :class:`ColumnParallelConv2d` (in -> mid), ``norm`` a ``BatchNorm2d`` over this
@@ -103,41 +105,31 @@ class ParallelConvBlock(SharesGroup, nn.Module):
     statistics included), ``conv2`` a :class:`RowParallelConv2d` (mid -> out): one all-reduce
     forward, one backward. Equals :class:`torch_mp.dense.ConvBlock`.
 
+    Args (the options the C++ core declares, csrc/torch_mp/tensor_parallel/conv_block.h):
+        in_channels, mid_channels, out_channels: The channels in, in the middle (divisible by
+            the group size) and out.
+        kernel_size: Of both convolutions.
+        padding: Of both convolutions; ``kernel_size // 2`` when None.
+        bias: Biases on both convolutions.
+        group: The tensor-parallel group; the default mesh's when None.
+        device, dtype: Where and in what type to create the parameters.
+
     Raises:
         RuntimeError: If ``mid_channels`` is not divisible by the group size.
     """
 
-    def __init__(
-        self,
-        in_channels: int,
-        mid_channels: int,
-        out_channels: int,
-        kernel_size: int = 3,
-        padding: int | None = None,
-        bias: bool = True,
-        group: dist.ProcessGroup | None = None,
-        *,
-        device=None,
-        dtype=None,
-    ) -> None:
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        self.group = tp_group(group)
-        padding = kernel_size // 2 if padding is None else padding
-        _C.check_parallel_conv_block(
-            in_channels,
-            mid_channels,
-            out_channels,
-            kernel_size,
-            padding,
-            bias,
-            self.group.group_name,
-        )
-        conv = {"padding": padding, "bias": bias, "group": self.group, "device": "meta"}
-        self.conv1 = ColumnParallelConv2d(in_channels, mid_channels, kernel_size, **conv)
+        o = self._take_options(args, kwargs, group=tp_group_or_default)
+        self._check_options(o)
+        padding = self.kernel_size // 2 if self.padding is None else self.padding
+        conv = {"padding": padding, "bias": self.bias, "group": self.group, "device": "meta"}
+        k = self.kernel_size
+        self.conv1 = ColumnParallelConv2d(self.in_channels, self.mid_channels, k, **conv)
         self.norm = ChannelParallelBatchNorm2d(
-            mid_channels // dist.get_world_size(self.group), self.group, device="meta"
+            self.mid_channels // dist.get_world_size(self.group), self.group, device="meta"
         )
-        self.conv2 = RowParallelConv2d(mid_channels, out_channels, kernel_size, **conv)
+        self.conv2 = RowParallelConv2d(self.mid_channels, self.out_channels, k, **conv)
         materialise(self, device, dtype)
 
     def reset_parameters(self) -> None:
@@ -150,20 +142,18 @@ class ParallelConvBlock(SharesGroup, nn.Module):
         return self.conv2(F.relu(self.norm(self.conv1(x))))
 
     @classmethod
-    def from_dense(
-        cls, block: ConvBlock, group: dist.ProcessGroup | None = None
-    ) -> ParallelConvBlock:
-        """Shards a :class:`torch_mp.dense.ConvBlock` (device and dtype kept, no random draws)."""
-        parallel = cls(
-            block.conv1.in_channels,
-            block.conv1.out_channels,
-            block.conv2.out_channels,
-            block.conv1.kernel_size[0],
-            block.conv1.padding[0],
-            block.conv1.bias is not None,
-            group,
-            device="meta",
-        )
+    def from_dense(cls, block: ConvBlock, *args, **kwargs) -> ParallelConvBlock:
+        """Shards a :class:`torch_mp.dense.ConvBlock` (device and dtype kept, no random draws);
+        ``group`` as the constructor's."""
+        taken = {
+            "in_channels": block.conv1.in_channels,
+            "mid_channels": block.conv1.out_channels,
+            "out_channels": block.conv2.out_channels,
+            "kernel_size": block.conv1.kernel_size[0],
+            "padding": block.conv1.padding[0],
+            "bias": block.conv1.bias is not None,
+        }
+        parallel = cls._from_dense(block, args, kwargs, taken)
         parallel.norm.eps, parallel.norm.momentum = block.norm.eps, block.norm.momentum
         empty_like_dense(block, parallel)
         parallel.load_dense(block)

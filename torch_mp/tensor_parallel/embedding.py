@@ -16,17 +16,20 @@ from torch import nn
 
 from torch_mp import _C
 from torch_mp._group import SharesGroup
-from torch_mp.mesh import get_mesh
+from torch_mp._options import DeclaredOptions
+from torch_mp.mesh import tp_group_or_default
 from torch_mp.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
 
 
-class VocabParallelEmbedding(SharesGroup, nn.Module):
+class VocabParallelEmbedding(
+    DeclaredOptions, SharesGroup, nn.Module, declared="VocabParallelEmbedding"
+):
     """An ``nn.Embedding`` whose vocabulary is split across the tensor-parallel group.
 
     Each rank looks up the ids it owns, writes zeros for the others, and the results are summed
     over the group, so every rank gets the embeddings of all ids.
 
-    Args:
+    Args (the options the C++ core declares, csrc/torch_mp/tensor_parallel/embedding.h):
         num_embeddings: Size of the vocabulary; any size (padded to a multiple of the group size).
         embedding_dim: Size of each embedding vector.
         padding_idx: An id whose row is initialised to zero and gets no gradient, as in
@@ -44,31 +47,19 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
             forward) an id is outside ``[0, num_embeddings)``.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        group: dist.ProcessGroup | None = None,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        self.group = group if group is not None else get_mesh().tp_group
+        o = self._take_options(args, kwargs, group=tp_group_or_default)
         self.tp_size = dist.get_world_size(self.group)
-        _C.check_vocab_parallel_embedding(
-            num_embeddings, embedding_dim, padding_idx, self.group.group_name
-        )
-        if padding_idx is not None and padding_idx < 0:
-            padding_idx += num_embeddings
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.padding_idx = padding_idx
-        start, rows, _ = _C.vocab_range(num_embeddings, self.group.group_name)
+        self._check_options(o)
+        if self.padding_idx is not None and self.padding_idx < 0:
+            self.padding_idx += self.num_embeddings
+        start, rows, _ = _C.vocab_range(self.num_embeddings, self.group.group_name)
         self.vocab_start_index = start
         self.num_embeddings_per_partition = rows
-        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
+        self.weight = nn.Parameter(
+            torch.empty(rows, self.embedding_dim, device=device, dtype=dtype)
+        )
         self.reset_parameters()
         self._register_layouts()
 
@@ -85,26 +76,24 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return torch.ops.torch_mp.vocab_parallel_embedding(
-            input, self.weight, self.num_embeddings, self.padding_idx, self.group.group_name
+            input, self.weight, **self._operator_options()
         )
 
     @classmethod
-    def from_dense(
-        cls, embedding: nn.Embedding, group: dist.ProcessGroup | None = None
-    ) -> VocabParallelEmbedding:
-        """Shards a dense ``nn.Embedding`` (its device and dtype are kept; no random draws)."""
+    def from_dense(cls, embedding: nn.Embedding, *args, **kwargs) -> VocabParallelEmbedding:
+        """Shards a dense ``nn.Embedding`` (its device and dtype are kept; no random draws);
+        ``group`` (by position or keyword) as the constructor's."""
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             raise ValueError(
                 "VocabParallelEmbedding.from_dense: max_norm, scale_grad_by_freq and sparse are "
                 "not supported"
             )
-        layer = cls(
-            embedding.num_embeddings,
-            embedding.embedding_dim,
-            padding_idx=embedding.padding_idx,
-            group=group,
-            device="meta",
-        )
+        taken = {
+            "num_embeddings": embedding.num_embeddings,
+            "embedding_dim": embedding.embedding_dim,
+            "padding_idx": embedding.padding_idx,
+        }
+        layer = cls._from_dense(embedding, args, kwargs, taken)
         layer.to_empty(device=embedding.weight.device)
         layer.to(dtype=embedding.weight.dtype)
         layer.load_dense(embedding)
@@ -119,9 +108,3 @@ class VocabParallelEmbedding(SharesGroup, nn.Module):
         """Gathers the table into a dense ``nn.Embedding`` on every rank (a collective)."""
         weight = _C.gather_dense_embedding(self.weight, self.num_embeddings, self.group.group_name)
         return nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.padding_idx)
-
-    def extra_repr(self) -> str:
-        s = f"{self.num_embeddings}, {self.embedding_dim}"
-        if self.padding_idx is not None:
-            s += f", padding_idx={self.padding_idx}"
-        return s + f", tp_size={self.tp_size}"

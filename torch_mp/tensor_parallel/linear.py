@@ -17,39 +17,30 @@ from torch import nn
 
 from torch_mp import _C
 from torch_mp._group import SharesGroup
-from torch_mp.mesh import get_mesh
+from torch_mp._options import DeclaredOptions
+from torch_mp.mesh import tp_group_or_default
 
 
-class _ParallelLinear(SharesGroup, nn.Module):
-    """Shared bookkeeping of the two layers.
-
-    Subclasses set ``_SHARD_DIM`` (the dense weight's split dim) and define ``_check(bias)``,
-    which validates their options in the C++ core.
-    """
+class _ParallelLinear(DeclaredOptions, SharesGroup, nn.Module):
+    """What the two layers share: their options are the C++ core's declaration
+    (csrc/torch_mp/tensor_parallel/linear.h); subclasses set ``_SHARD_DIM`` (the dense weight's
+    split dim) and their operator ``_OPERATOR``."""
 
     _SHARD_DIM: int
+    _OPERATOR: str
+    _PARAMETER_OPTIONS = frozenset({"bias"})
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        group: dist.ProcessGroup | None,
-        device: torch.device | str | None,
-        dtype: torch.dtype | None,
-    ) -> None:
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        self.group = group if group is not None else get_mesh().tp_group
-        self.in_features = in_features
-        self.out_features = out_features
+        o = self._take_options(args, kwargs, group=tp_group_or_default)
         self.tp_size = dist.get_world_size(self.group)
-        self._check(bias)
-        shape = [out_features, in_features]
+        self._check_options(o)
+        shape = [o["out_features"], o["in_features"]]
         shape[self._SHARD_DIM] //= self.tp_size
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(shape, **factory))
-        if bias:
-            bias_size = out_features // self.tp_size if self._SHARD_DIM == 0 else out_features
+        if o["bias"]:
+            bias_size = shape[0] if self._SHARD_DIM == 0 else o["out_features"]
             self.bias = nn.Parameter(torch.empty(bias_size, **factory))
         else:
             self.register_parameter("bias", None)
@@ -86,27 +77,30 @@ class _ParallelLinear(SharesGroup, nn.Module):
             self._group_name,
         )
 
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        operator = getattr(torch.ops.torch_mp, self._OPERATOR)
+        return operator(input, self.weight, self.bias, **self._operator_options())
+
     @classmethod
-    def from_dense(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kwargs):
+    def from_dense(cls, linear: nn.Linear, *args, **kwargs):
         """Shards a dense ``nn.Linear`` (e.g. a pretrained or reference layer).
 
         Args:
             linear: The dense layer; its device and dtype are kept.
-            group: The tensor-parallel group; the default mesh's when None.
-            **kwargs: Further constructor arguments (``gather_output``, ``input_is_parallel``,
-                ``sequence_parallel``).
+            *args, **kwargs: The options the dense layer does not give: ``group`` (the
+                tensor-parallel group; the default mesh's when None) by position or keyword,
+                the others (``gather_output`` or ``input_is_parallel``, ``sequence_parallel``)
+                by keyword.
 
         Returns:
             A layer holding this rank's shard of ``linear``'s parameters.
         """
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            group=group,
-            device="meta",
-            **kwargs,
-        )
+        taken = {
+            "in_features": linear.in_features,
+            "out_features": linear.out_features,
+            "bias": linear.bias is not None,
+        }
+        layer = cls._from_dense(linear, args, kwargs, taken)
         layer.to_empty(device=linear.weight.device)
         layer.to(dtype=linear.weight.dtype)
         layer.load_dense(linear)
@@ -135,10 +129,10 @@ class _ParallelLinear(SharesGroup, nn.Module):
         return dense
 
 
-class ColumnParallelLinear(_ParallelLinear):
+class ColumnParallelLinear(_ParallelLinear, declared="ColumnParallelLinear"):
     """A ``Linear`` layer whose output features are split across the tensor-parallel group.
 
-    Args:
+    Args (the options the C++ core declares):
         in_features: Size of each input sample.
         out_features: Size of each output sample of the dense layer; divisible by the group size.
         bias: Whether to add a (likewise split) bias.
@@ -157,59 +151,16 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     _SHARD_DIM = 0
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        gather_output: bool = False,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.gather_output = gather_output
-        self.sequence_parallel = sequence_parallel
-        super().__init__(in_features, out_features, bias, group, device, dtype)
-
-    def _check(self, bias: bool) -> None:
-        _C.check_column_parallel_linear(
-            self.in_features,
-            self.out_features,
-            bias,
-            self.gather_output,
-            self.sequence_parallel,
-            self._group_name,
-        )
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return torch.ops.torch_mp.column_parallel_linear(
-            input,
-            self.weight,
-            self.bias,
-            self.out_features,
-            self.gather_output,
-            self.sequence_parallel,
-            self._group_name,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-            f"sequence_parallel={self.sequence_parallel}, tp_size={self.tp_size}"
-        )
+    _OPERATOR = "column_parallel_linear"
 
 
-class RowParallelLinear(_ParallelLinear):
+class RowParallelLinear(_ParallelLinear, declared="RowParallelLinear"):
     """A ``Linear`` layer whose input features are split across the tensor-parallel group.
 
     The partial products of the ranks are summed (all-reduce) and the bias, whole on every rank,
     is added once after the sum.
 
-    Args:
+    Args (the options the C++ core declares):
         in_features: Size of each input sample of the dense layer; divisible by the group size.
         out_features: Size of each output sample.
         bias: Whether to add a bias.
@@ -227,47 +178,4 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     _SHARD_DIM = 1
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.input_is_parallel = input_is_parallel
-        self.sequence_parallel = sequence_parallel
-        super().__init__(in_features, out_features, bias, group, device, dtype)
-
-    def _check(self, bias: bool) -> None:
-        _C.check_row_parallel_linear(
-            self.in_features,
-            self.out_features,
-            bias,
-            self.input_is_parallel,
-            self.sequence_parallel,
-            self._group_name,
-        )
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return torch.ops.torch_mp.row_parallel_linear(
-            input,
-            self.weight,
-            self.bias,
-            self.in_features,
-            self.input_is_parallel,
-            self.sequence_parallel,
-            self._group_name,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-            f"sequence_parallel={self.sequence_parallel}, tp_size={self.tp_size}"
-        )
+    _OPERATOR = "row_parallel_linear"

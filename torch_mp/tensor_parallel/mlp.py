@@ -4,24 +4,20 @@ the operator ``torch.ops.torch_mp.parallel_mlp``)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torch_mp import _C
 from torch_mp._group import SharesGroup
+from torch_mp._options import DeclaredOptions
 from torch_mp.dense import MLP
-from torch_mp.tensor_parallel._shell import (
-    column_row_pair,
-    empty_like_dense,
-    materialise,
-    tp_group,
-)
+from torch_mp.mesh import tp_group_or_default
+from torch_mp.tensor_parallel._shell import column_row_pair, empty_like_dense, materialise
 
 
-class ParallelMLP(SharesGroup, nn.Module):
+class ParallelMLP(DeclaredOptions, SharesGroup, nn.Module, declared="ParallelMLP"):
     """``fc2(dropout(activation(fc1(x))))`` with ``fc1`` column- and ``fc2`` row-parallel.
 
-    Args:
+    Args (the options the C++ core declares, csrc/torch_mp/tensor_parallel/mlp.h):
         hidden_size: Input and output size.
         ffn_hidden_size: Inner size; divisible by the group size.
         bias: Biases on both layers.
@@ -32,36 +28,15 @@ class ParallelMLP(SharesGroup, nn.Module):
         device, dtype: Where and in what type to create the parameters.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        bias: bool = True,
-        activation: str = "gelu",
-        dropout: float = 0.0,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        *,
-        device=None,
-        dtype=None,
-    ) -> None:
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        self.group = tp_group(group)
-        _C.check_parallel_mlp(
-            hidden_size,
-            ffn_hidden_size,
-            bias,
-            activation,
-            dropout,
-            sequence_parallel,
-            self.group.group_name,
-        )
-        self.activation, self.dropout = activation, dropout
+        o = self._take_options(args, kwargs, group=tp_group_or_default)
+        self._check_options(o)
         self.fc1, self.fc2 = column_row_pair(
-            (hidden_size, ffn_hidden_size),
-            (ffn_hidden_size, hidden_size),
-            bias,
-            sequence_parallel,
+            (o["hidden_size"], o["ffn_hidden_size"]),
+            (o["ffn_hidden_size"], o["hidden_size"]),
+            o["bias"],
+            o["sequence_parallel"],
             self.group,
         )
         materialise(self, device, dtype)
@@ -83,9 +58,9 @@ class ParallelMLP(SharesGroup, nn.Module):
     def to_dense(self) -> MLP:
         """Gathers the shards into a :class:`torch_mp.dense.MLP` on every rank (a collective)."""
         mlp = MLP(
-            self.fc1.in_features,
-            self.fc1.out_features,
-            bias=self.fc1.bias is not None,
+            self.hidden_size,
+            self.ffn_hidden_size,
+            bias=self.bias,
             activation=self.activation,
             dropout=self.dropout,
         )
@@ -99,27 +74,27 @@ class ParallelMLP(SharesGroup, nn.Module):
             self.fc1.bias,
             self.fc2.weight,
             self.fc2.bias,
-            self.activation,
-            self.dropout,
-            self.fc1.sequence_parallel,
             self.training,
-            self.group.group_name,
+            **self._operator_options(),
         )
 
+    _FROM_DENSE_POSITIONAL = ("group", "sequence_parallel")
+
     @classmethod
-    def from_dense(
-        cls, mlp: MLP, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False
-    ) -> ParallelMLP:
-        """Shards a :class:`torch_mp.dense.MLP` (device and dtype kept, no random draws)."""
-        layer = cls(
-            mlp.fc1.in_features,
-            mlp.fc1.out_features,
-            bias=mlp.fc1.bias is not None,
-            activation=mlp.activation,
-            dropout=mlp.dropout.p,
-            sequence_parallel=sequence_parallel,
-            group=group,
-            device="meta",
+    def from_dense(cls, mlp: MLP, *args, **kwargs) -> ParallelMLP:
+        """Shards a :class:`torch_mp.dense.MLP` (device and dtype kept, no random draws); the
+        options it does not determine (``group``, ``sequence_parallel``) as the constructor's."""
+        layer = cls._from_dense(
+            mlp,
+            args,
+            kwargs,
+            taken={
+                "hidden_size": mlp.fc1.in_features,
+                "ffn_hidden_size": mlp.fc1.out_features,
+                "bias": mlp.fc1.bias is not None,
+                "activation": mlp.activation,
+                "dropout": mlp.dropout.p,
+            },
         )
         empty_like_dense(mlp, layer)
         layer.load_dense(mlp.fc1, mlp.fc2)

@@ -6,18 +6,22 @@ and which dropout draws from which stream, is the core's: the operator
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torch_mp import _C
 from torch_mp._group import SharesGroup
-from torch_mp.tensor_parallel._shell import empty_like_dense, materialise, tp_group
+from torch_mp._options import DeclaredOptions
+from torch_mp.context_parallel.sharding import _context_group
+from torch_mp.mesh import tp_group_or_default
+from torch_mp.tensor_parallel._shell import empty_like_dense, materialise
 from torch_mp.tensor_parallel.attention import ParallelSelfAttention
 from torch_mp.tensor_parallel.layer_norm import LayerNorm
 from torch_mp.tensor_parallel.mlp import ParallelMLP
 
 
-class ParallelTransformerLayer(SharesGroup, nn.Module):
+class ParallelTransformerLayer(
+    DeclaredOptions, SharesGroup, nn.Module, declared="ParallelTransformerLayer"
+):
     """A transformer encoder layer with tensor-parallel attention and MLP.
 
     The same layer as ``nn.TransformerEncoderLayer`` (same arguments and defaults, ``[s, b, h]``
@@ -30,13 +34,14 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
     replicated over the context group, their gradients reduced over data x context ranks by
     :class:`torch_mp.DataParallel`.
 
-    Args:
+    Args (the options the C++ core declares, csrc/torch_mp/tensor_parallel/transformer_layer.h):
         hidden_size, num_heads, ffn_hidden_size: ``d_model``, ``nhead``, ``dim_feedforward``.
         dropout, activation, layer_norm_eps, norm_first, bias: As in
             ``nn.TransformerEncoderLayer`` (activation ``"relu"`` or ``"gelu"``).
         sequence_parallel: Input and output split along the sequence dim 0.
         group: The tensor-parallel group; the default mesh's when None.
-        recompute: Activation recomputation. None keeps every activation for the backward;
+        recompute: Activation recomputation. ``""`` (or None) keeps every activation for the
+            backward;
             ``"full"`` keeps the layer's input only and runs the whole layer again in the
             backward; ``"selective"`` recomputes the attention core only (scores, softmax,
             dropout and the product with V, the activations that grow with ``s**2``; Megatron's
@@ -54,73 +59,40 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             ``recompute`` is none of the above, or ranks disagree on the configuration.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        ffn_hidden_size: int = 2048,
-        dropout: float = 0.1,
-        activation: str = "relu",
-        layer_norm_eps: float = 1e-5,
-        norm_first: bool = False,
-        bias: bool = True,
-        sequence_parallel: bool = False,
-        group: dist.ProcessGroup | None = None,
-        *,
-        recompute: str | None = None,
-        context_parallel: bool = False,
-        context_group: dist.ProcessGroup | None = None,
-        context_method: str = "ring",
-        load_balance: bool = True,
-        device=None,
-        dtype=None,
-    ) -> None:
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        self.group = tp_group(group)
+        self._take_options(args, kwargs, group=tp_group_or_default)
+        if self.context_parallel:  # resolved once, here, for the attention too
+            self.context_group = _context_group(self.context_group)
         # What the attention and MLP do not check themselves.
-        _C.check_parallel_transformer_layer(
-            norm_first, layer_norm_eps, recompute or "", self.group.group_name
+        self._check_options(self.options())
+        meta = {"device": "meta"}
+        norm = self._child_options(
+            LayerNorm, normalized_shape=self.hidden_size, eps=self.layer_norm_eps
         )
-        self.norm_first, self.dropout, self.sequence_parallel = (
-            norm_first,
-            dropout,
-            sequence_parallel,
-        )
-        self.recompute = recompute
-        self.activation = activation
-        meta = {"group": self.group, "device": "meta"}
-        norm_args = (hidden_size, layer_norm_eps, True, bias, sequence_parallel)
-        self.norm1 = LayerNorm(*norm_args, **meta)
+        self.norm1 = LayerNorm(**norm, **meta)
         self.self_attn = ParallelSelfAttention(
-            hidden_size,
-            num_heads,
-            bias,
-            dropout,
-            sequence_parallel,
-            context_parallel=context_parallel,
-            context_group=context_group,
-            context_method=context_method,
-            load_balance=load_balance,
+            **self._child_options(
+                ParallelSelfAttention, recompute_core=self.recompute == "selective"
+            ),
             **meta,
         )
-        self.norm2 = LayerNorm(*norm_args, **meta)
-        self.mlp = ParallelMLP(
-            hidden_size, ffn_hidden_size, bias, activation, dropout, sequence_parallel, **meta
-        )
+        self.norm2 = LayerNorm(**norm, **meta)
+        self.mlp = ParallelMLP(**self._child_options(ParallelMLP), **meta)
         materialise(self, device, dtype)
 
     def _dense_layer(self, device=None) -> nn.TransformerEncoderLayer:
         """An ``nn.TransformerEncoderLayer`` with this layer's arguments (drawn as it draws
         itself; on ``"meta"`` for a shape to fill)."""
         return nn.TransformerEncoderLayer(
-            self.self_attn.hidden_size,
-            self.self_attn.num_heads,
-            self.mlp.fc1.out_features,
+            self.hidden_size,
+            self.num_heads,
+            self.ffn_hidden_size,
             self.dropout,
             self.activation,
-            self.norm1.eps,
+            self.layer_norm_eps,
             norm_first=self.norm_first,
-            bias=self.mlp.fc1.bias is not None,
+            bias=self.bias,
             device=device,
         )
 
@@ -180,37 +152,21 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             mlp.fc2.bias,
             attn_mask,
             is_causal,
-            attention.num_heads,
-            self.activation,
-            self.dropout,
-            self.norm1.eps,
-            self.norm_first,
-            self.sequence_parallel,
             self.training,
-            self.group.group_name,
-            self.recompute or "",
-            attention._context_group_name,
-            attention.context_method,
-            attention.load_balance,
+            **self._operator_options(),
         )
+
+    _FROM_DENSE_POSITIONAL = ("group", "sequence_parallel", "recompute")
 
     @classmethod
     def from_dense(
-        cls,
-        layer: nn.TransformerEncoderLayer,
-        group: dist.ProcessGroup | None = None,
-        sequence_parallel: bool = False,
-        recompute: str | None = None,
-        *,
-        context_parallel: bool = False,
-        context_group: dist.ProcessGroup | None = None,
-        context_method: str = "ring",
-        load_balance: bool = True,
+        cls, layer: nn.TransformerEncoderLayer, *args, **kwargs
     ) -> ParallelTransformerLayer:
         """Shards an ``nn.TransformerEncoderLayer`` (device and dtype kept, no random draws).
 
         The parallel layer takes ``[s, b, h]`` whatever the dense layer's ``batch_first``;
-        ``recompute`` and the context settings as in the constructor.
+        ``group``, ``sequence_parallel`` and ``recompute`` (by position or keyword) and the
+        context options as the constructor's.
         """
         kinds = {1: "relu", 2: "gelu"}
         approximate = (
@@ -220,24 +176,17 @@ class ParallelTransformerLayer(SharesGroup, nn.Module):
             raise ValueError(
                 "ParallelTransformerLayer: only relu and (exact) gelu activations are supported"
             )
-        parallel = cls(
-            layer.self_attn.embed_dim,
-            layer.self_attn.num_heads,
-            layer.linear1.out_features,
-            dropout=layer.dropout.p,
-            activation=kinds[layer.activation_relu_or_gelu],
-            layer_norm_eps=layer.norm1.eps,
-            norm_first=layer.norm_first,
-            bias=layer.linear1.bias is not None,
-            sequence_parallel=sequence_parallel,
-            group=group,
-            recompute=recompute,
-            context_parallel=context_parallel,
-            context_group=context_group,
-            context_method=context_method,
-            load_balance=load_balance,
-            device="meta",
-        )
+        taken = {
+            "hidden_size": layer.self_attn.embed_dim,
+            "num_heads": layer.self_attn.num_heads,
+            "ffn_hidden_size": layer.linear1.out_features,
+            "dropout": layer.dropout.p,
+            "activation": kinds[layer.activation_relu_or_gelu],
+            "layer_norm_eps": layer.norm1.eps,
+            "norm_first": layer.norm_first,
+            "bias": layer.linear1.bias is not None,
+        }
+        parallel = cls._from_dense(layer, args, kwargs, taken)
         empty_like_dense(layer, parallel)
         parallel.load_dense(layer)
         return parallel

@@ -12,6 +12,7 @@
 #include "torch_mp/context_parallel/attention.h"
 #include "torch_mp/context_parallel/sharding.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/operator_options.h"
 #include "torch_mp/recompute.h"
 #include "torch_mp/tensor_parallel/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
@@ -141,39 +142,22 @@ at::Tensor attention_heads(const at::Tensor& qkv,
   return recompute(core, {qkv})[0];
 }
 
-void check_parallel_self_attention(int64_t hidden_size,
-                                   int64_t num_heads,
-                                   bool bias,
-                                   double dropout,
-                                   bool sequence_parallel,
-                                   const GroupPtr& group,
-                                   const GroupPtr& context_group,
-                                   const std::string& context_method,
-                                   bool load_balance) {
-  const auto& methods = context_parallel::kAttentionMethods;
-  const int64_t method =
-      std::find(methods.begin(), methods.end(), context_method) - methods.begin();
-  // Agreement first: a check that fails on one rank only would leave the others waiting.
-  const std::vector<int64_t> configuration{hidden_size,
-                                           num_heads,
-                                           bias,
-                                           comm::bits(dropout),
-                                           sequence_parallel,
-                                           context_group != nullptr,
-                                           context_group ? method : 0,
-                                           context_group ? load_balance : true};
-  const char* what =
-      "ParallelSelfAttention configuration [hidden_size, num_heads, bias, dropout (bits), "
-      "sequence_parallel, context_parallel, context_method, load_balance]";
-  // Over both groups before raising: a tensor rank that raised at the first would leave its
-  // context peers waiting in the second.
+void check_parallel_self_attention(const ParallelSelfAttentionOptions& o) {
+  TORCH_CHECK(o.group(), "ParallelSelfAttention: options.group() is not set");
+  TORCH_CHECK(o.context_parallel() || !o.context_group(),
+              "ParallelSelfAttention: a context_group is given but context_parallel is off");
+  TORCH_CHECK(!o.context_parallel() || o.context_group(),
+              "ParallelSelfAttention: options.context_group() is not set");
+  // Agreement first: a check that fails on one rank only would leave the others waiting. Over
+  // both groups before raising: a tensor rank that raised at the first would leave its context
+  // peers waiting in the second.
   std::exception_ptr failure;
-  for (const auto& over : {group, context_group}) {
+  for (const auto& over : {o.group(), o.context_group()}) {
     if (!over) {
       continue;
     }
     try {
-      comm::check_same_across_ranks(configuration, over, what);
+      options::check_same_options(o, over, "ParallelSelfAttention");
     } catch (...) {
       failure = failure ? failure : std::current_exception();
     }
@@ -181,6 +165,11 @@ void check_parallel_self_attention(int64_t hidden_size,
   if (failure) {
     std::rethrow_exception(failure);
   }
+  const int64_t hidden_size = o.hidden_size();
+  const int64_t num_heads = o.num_heads();
+  const auto& methods = context_parallel::kAttentionMethods;
+  const bool known_method =
+      std::find(methods.begin(), methods.end(), o.context_method()) != methods.end();
   check_non_negative(hidden_size, "ParallelSelfAttention: hidden_size");
   TORCH_CHECK(num_heads > 0 && hidden_size % num_heads == 0,
               "ParallelSelfAttention: hidden_size (",
@@ -188,11 +177,11 @@ void check_parallel_self_attention(int64_t hidden_size,
               ") must be divisible by num_heads (",
               num_heads,
               ")");
-  divide(num_heads, group->getSize(), "ParallelSelfAttention: num_heads");
-  TORCH_CHECK(!context_group || method < static_cast<int64_t>(methods.size()),
+  divide(num_heads, o.group()->getSize(), "ParallelSelfAttention: num_heads");
+  TORCH_CHECK(!o.context_parallel() || known_method,
               "ParallelSelfAttention: context_method must be 'ring', 'all_gather' or "
               "'all_to_all', got '",
-              context_method,
+              o.context_method(),
               "'");
 }
 
@@ -262,17 +251,7 @@ void ParallelSelfAttentionImpl::reset() {
     options.context_group(context_parallel::cp_group_or_default(options.context_group()));
   }
   const auto& o = options;
-  TORCH_CHECK(o.context_parallel() || !o.context_group(),
-              "ParallelSelfAttention: a context_group is given but context_parallel is off");
-  check_parallel_self_attention(o.hidden_size(),
-                                o.num_heads(),
-                                o.bias(),
-                                o.dropout(),
-                                o.sequence_parallel(),
-                                o.group(),
-                                o.context_group(),
-                                o.context_method(),
-                                o.load_balance());
+  check_parallel_self_attention(o);
   qkv = register_module("qkv",
                         ColumnParallelLinearImpl::uninitialised(
                             ColumnParallelLinearOptions(o.hidden_size(), 3 * o.hidden_size())
@@ -414,25 +393,8 @@ at::Tensor parallel_self_attention_op(const at::Tensor& x,
                                       const std::optional<at::Tensor>& proj_bias,
                                       const std::optional<at::Tensor>& attn_mask,
                                       bool is_causal,
-                                      int64_t num_heads,
-                                      double dropout,
-                                      bool sequence_parallel,
                                       bool training,
-                                      c10::string_view group,
-                                      bool recompute_core,
-                                      c10::string_view context_group,
-                                      c10::string_view context_method,
-                                      bool load_balance) {
-  const auto options = ParallelSelfAttentionOptions(qkv_weight.size(1), num_heads)
-                           .bias(qkv_bias.has_value())
-                           .dropout(dropout)
-                           .sequence_parallel(sequence_parallel)
-                           .recompute_core(recompute_core)
-                           .group(group_named(group))
-                           .context_parallel(!context_group.empty())
-                           .context_group(group_named_or_none(context_group))
-                           .context_method(std::string(context_method))
-                           .load_balance(load_balance);
+                                      const ParallelSelfAttentionOptions& options) {
   return parallel_self_attention(
       x, {qkv_weight, qkv_bias, proj_weight, proj_bias}, options, attn_mask, is_causal, training);
 }
@@ -445,13 +407,11 @@ TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
       "float dropout_p, str group, bool recompute_core=False, str context_group=\"\", "
       "str context_method=\"ring\", bool load_balance=True) -> Tensor",
       &attention_heads_op);
-  m.def(
+  options::def_layer_operator<&parallel_self_attention_op>(
+      m,
       "parallel_self_attention(Tensor x, Tensor qkv_weight, Tensor? qkv_bias, "
-      "Tensor proj_weight, Tensor? proj_bias, Tensor? attn_mask, bool is_causal, int num_heads, "
-      "float dropout, bool sequence_parallel, bool training, str group, "
-      "bool recompute_core=False, str context_group=\"\", str context_method=\"ring\", "
-      "bool load_balance=True) -> Tensor",
-      &parallel_self_attention_op);
+      "Tensor proj_weight, Tensor? proj_bias, Tensor? attn_mask, bool is_causal, "
+      "bool training)");
 }
 
 }  // namespace torch_mp::tensor_parallel

@@ -13,9 +13,10 @@
 // values by the method chosen, and masks are for the whole sequence ([S, S] or
 // [b * num_heads, S, S]). Heads are split first (tensor group), then the sequence (context group).
 //
-// The forward is also the PyTorch operator torch.ops.torch_mp.parallel_self_attention (its
-// arguments as the ParallelSelfAttentionOptions and parameters below), and attention over the
-// local heads torch.ops.torch_mp.attention_heads: compositions, what the Python module calls.
+// The forward is also the PyTorch operator torch.ops.torch_mp.parallel_self_attention (the
+// parameters below, the mask, is_causal and training, then the declared options by keyword), and
+// attention over the local heads torch.ops.torch_mp.attention_heads: compositions, what the Python
+// module calls.
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -28,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 #include "torch_mp/tensor_parallel/linear.h"
 
@@ -63,20 +65,6 @@ at::Tensor attention_heads(const at::Tensor& qkv,
                            const std::string& context_method = "ring",
                            bool load_balance = true);
 
-/// Checks a self-attention's configuration: num_heads divides hidden_size, the group size
-/// divides num_heads, and the same configuration on every rank (floats by their bits). With a
-/// `context_group` also that `context_method` is a context_parallel method, and the same
-/// configuration on every rank of the context group.
-void check_parallel_self_attention(int64_t hidden_size,
-                                   int64_t num_heads,
-                                   bool bias,
-                                   double dropout,
-                                   bool sequence_parallel,
-                                   const GroupPtr& group,
-                                   const GroupPtr& context_group = {},
-                                   const std::string& context_method = "ring",
-                                   bool load_balance = true);
-
 /// Copies this rank's heads of a dense [3h, h] in-projection (Q; K; V stacked, as in
 /// torch::nn::MultiheadAttention) into `weight` [3h/t, h] (and of the [3h] bias into `bias`).
 void load_dense_qkv_(at::Tensor& weight,
@@ -89,33 +77,45 @@ void load_dense_qkv_(at::Tensor& weight,
 std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_qkv(
     const at::Tensor& weight, const std::optional<at::Tensor>& bias, const GroupPtr& group);
 
+/// The options of ParallelSelfAttention, declared once (torch_mp/options.h):
+/// - hidden_size: embedding size h; num_heads divides it;
+/// - num_heads: attention heads in all; the group size must divide it;
+/// - bias: biases on the projections;
+/// - dropout: on the attention probabilities (in training);
+/// - sequence_parallel: input and output split along the sequence dim (0);
+/// - group: the tensor-parallel group; the default mesh's when null;
+/// - recompute_core: recompute the attention core (scores, softmax, dropout, the product with
+///   V) in the backward instead of keeping its activations (attention_heads);
+/// - context_parallel: the sequence split over a context group too (see the top of this file):
+///   input and output hold this rank's part of the sequence, cut by shard_sequence;
+/// - context_group: the context group; the default mesh's when unset (with context_parallel
+///   only);
+/// - context_method: how the ranks' keys and values meet: "ring", "all_gather" or
+///   "all_to_all" (context_parallel/attention.h);
+/// - load_balance: whether the sequence was cut load-balanced (shard_sequence's default).
+#define TORCH_MP_PARALLEL_SELF_ATTENTION_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  REQUIRED(int64_t, hidden_size)                                            \
+  REQUIRED(int64_t, num_heads)                                              \
+  OPTION(bool, bias, true)                                                  \
+  OPTION(double, dropout, 0.0)                                              \
+  OPTION(bool, sequence_parallel, false)                                    \
+  OPTION(GroupPtr, group, {})                                               \
+  KEYWORD(bool, recompute_core, false)                                      \
+  KEYWORD(bool, context_parallel, false)                                    \
+  KEYWORD(GroupPtr, context_group, {})                                      \
+  KEYWORD(std::string, context_method, "ring")                              \
+  KEYWORD(bool, load_balance, true)
+
 /// Options of ParallelSelfAttention.
 struct ParallelSelfAttentionOptions {
-  ParallelSelfAttentionOptions(int64_t hidden_size, int64_t num_heads)
-      : hidden_size_(hidden_size), num_heads_(num_heads) {}
-  TORCH_ARG(int64_t, hidden_size);
-  /// Attention heads in all; the group size must divide it.
-  TORCH_ARG(int64_t, num_heads);
-  TORCH_ARG(bool, bias) = true;
-  /// Dropout on the attention probabilities (in training).
-  TORCH_ARG(double, dropout) = 0.0;
-  /// Input and output split along the sequence dim (0).
-  TORCH_ARG(bool, sequence_parallel) = false;
-  /// Recompute the attention core (scores, softmax, dropout, the product with V) in the
-  /// backward instead of keeping its activations (attention_heads).
-  TORCH_ARG(bool, recompute_core) = false;
-  TORCH_ARG(GroupPtr, group) = {};
-  /// The sequence split over a context group too (see the top of this file): input and
-  /// output hold this rank's part of the sequence, cut by shard_sequence.
-  TORCH_ARG(bool, context_parallel) = false;
-  /// The context group; the default mesh's when unset (with context_parallel only).
-  TORCH_ARG(GroupPtr, context_group) = {};
-  /// How the ranks' keys and values meet: "ring", "all_gather" or "all_to_all"
-  /// (context_parallel/attention.h).
-  TORCH_ARG(std::string, context_method) = "ring";
-  /// Whether the sequence was cut load-balanced (shard_sequence's default).
-  TORCH_ARG(bool, load_balance) = true;
+  TORCH_MP_OPTIONS(ParallelSelfAttentionOptions, TORCH_MP_PARALLEL_SELF_ATTENTION_OPTIONS)
 };
+
+/// Checks a self-attention's options: num_heads divides hidden_size, the group size divides
+/// num_heads, a context group only with context_parallel and then a known context_method, and
+/// the same options on every rank of the group and of the context group. options.group() must
+/// be set, and options.context_group() with context_parallel.
+void check_parallel_self_attention(const ParallelSelfAttentionOptions& options);
 
 /// This rank's parameters of a self-attention: the QKV projection's [3h/t, h] weight (and
 /// [3h/t] bias) and the output projection's [h, h/t] weight (and whole [h] bias).

@@ -8,6 +8,7 @@
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/operator_options.h"
 #include "torch_mp/tensor_parallel/linear.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
@@ -158,42 +159,20 @@ at::Tensor row_parallel_conv2d(const at::Tensor& input,
   return y + bias->view({-1, 1, 1});
 }
 
-void check_parallel_conv2d(const torch::nn::Conv2dOptions& o,
+namespace {
+
+// What both layers check after agreeing on their options.
+void check_conv2d_geometry(const torch::nn::Conv2dOptions& o,
                            int64_t shard_dim,
-                           bool flag,
                            const GroupPtr& group) {
   const char* name = shard_dim == 0 ? "ColumnParallelConv2d" : "RowParallelConv2d";
   const auto& k = *o.kernel_size();
   const auto& s = *o.stride();
   const auto& d = *o.dilation();
-  const int64_t padding_kind = is_same(o.padding()) ? 1 : is_valid(o.padding()) ? 2 : 0;
-  std::vector<int64_t> padding{0, 0};
-  if (padding_kind == 0) {
-    const auto& p = *std::get<torch::ExpandingArray<2>>(o.padding());
-    padding = {p[0], p[1]};
+  std::array<int64_t, 2> padding{0, 0};
+  if (const auto* p = std::get_if<torch::ExpandingArray<2>>(&o.padding())) {
+    padding = {(**p)[0], (**p)[1]};
   }
-  // Agreement first: a check that fails on one rank only would leave the others waiting.
-  comm::check_same_across_ranks({o.in_channels(),
-                                 o.out_channels(),
-                                 k[0],
-                                 k[1],
-                                 s[0],
-                                 s[1],
-                                 padding_kind,
-                                 padding[0],
-                                 padding[1],
-                                 d[0],
-                                 d[1],
-                                 o.groups(),
-                                 o.bias(),
-                                 static_cast<int64_t>(o.padding_mode().index()),
-                                 flag},
-                                group,
-                                std::string(name) +
-                                    " configuration [in_channels, out_channels, kernel_size, "
-                                    "stride, padding kind (0 numbers, 1 same, 2 valid), padding, "
-                                    "dilation, groups, bias, padding_mode, "
-                                    "gather_output/input_is_parallel]");
   TORCH_CHECK(o.groups() == 1, name, ": only groups=1 is supported, got ", o.groups());
   TORCH_CHECK(o.in_channels() > 0 && o.out_channels() > 0 && k[0] > 0 && k[1] > 0 && s[0] > 0 &&
                   s[1] > 0 && d[0] > 0 && d[1] > 0 && padding[0] >= 0 && padding[1] >= 0,
@@ -208,6 +187,66 @@ void check_parallel_conv2d(const torch::nn::Conv2dOptions& o,
          std::string(name) + (shard_dim == 0 ? ": out_channels" : ": in_channels"));
 }
 
+template <typename Options>
+void check_parallel_conv2d(const Options& o) {
+  TORCH_CHECK(o.group(), Options::kName, ": options.group() is not set");
+  // Agreement first: a check that fails on one rank only would leave the others waiting.
+  options::check_same_options(o, o.group(), Options::kName);
+  check_conv2d_geometry(o.conv(), Options::kShardDim, o.group());
+}
+
+}  // namespace
+
+void check_column_parallel_conv2d(const ColumnParallelConv2dOptions& options) {
+  check_parallel_conv2d(options);
+}
+
+void check_row_parallel_conv2d(const RowParallelConv2dOptions& options) {
+  check_parallel_conv2d(options);
+}
+
+template <typename Options>
+torch::nn::Conv2dOptions conv2d_geometry(const Options& o) {
+  const auto* numbers = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+  const auto pair = [](const torch::ExpandingArray<2>& a) {
+    return std::array<int64_t, 2>{(*a)[0], (*a)[1]};
+  };
+  return conv2d_options(o.in_channels(),
+                        o.out_channels(),
+                        pair(o.kernel_size()),
+                        pair(o.stride()),
+                        numbers ? std::string() : std::get<std::string>(o.padding()),
+                        numbers ? pair(*numbers) : std::array<int64_t, 2>{0, 0},
+                        pair(o.dilation()),
+                        o.groups(),
+                        o.bias(),
+                        o.padding_mode());
+}
+
+template <typename Options>
+void set_conv2d_geometry(Options& o, const torch::nn::Conv2dOptions& dense) {
+  Conv2dPadding padding = std::string(is_same(dense.padding()) ? "same" : "valid");
+  if (const auto* numbers = std::get_if<torch::ExpandingArray<2>>(&dense.padding())) {
+    padding = *numbers;
+  }
+  const auto& mode = dense.padding_mode();
+  o.in_channels(dense.in_channels())
+      .out_channels(dense.out_channels())
+      .kernel_size(dense.kernel_size())
+      .stride(dense.stride())
+      .padding(padding)
+      .dilation(dense.dilation())
+      .groups(dense.groups())
+      .bias(dense.bias())
+      .padding_mode(std::holds_alternative<torch::enumtype::kZeros>(mode) ? "zeros"
+                                                                          : pad_mode(mode));
+}
+
+template torch::nn::Conv2dOptions conv2d_geometry(const ColumnParallelConv2dOptions&);
+template torch::nn::Conv2dOptions conv2d_geometry(const RowParallelConv2dOptions&);
+template void set_conv2d_geometry(ColumnParallelConv2dOptions&, const torch::nn::Conv2dOptions&);
+template void set_conv2d_geometry(RowParallelConv2dOptions&, const torch::nn::Conv2dOptions&);
+
 // ---- modules ---------------------------------------------------------------------------------
 
 template <typename Options>
@@ -219,8 +258,8 @@ ParallelConv2dImpl<Options>::ParallelConv2dImpl(Options options_, bool initialis
 template <typename Options>
 void ParallelConv2dImpl<Options>::reset() {
   options.group(tp_group_or_default(options.group()));
-  const auto& conv = options.conv();
-  check_parallel_conv2d(conv, Options::kShardDim, options.flag(), options.group());
+  const auto conv = options.conv();
+  check_parallel_conv2d(options);
   const int64_t t = options.group()->getSize();
   const auto& k = *conv.kernel_size();
   std::vector<int64_t> shape{conv.out_channels(), conv.in_channels(), k[0], k[1]};
@@ -253,12 +292,8 @@ at::Tensor ParallelConv2dImpl<Options>::forward(const at::Tensor& input) {
 
 template <typename Options>
 void ParallelConv2dImpl<Options>::pretty_print(std::ostream& stream) const {
-  const auto& conv = options.conv();
-  stream << "torch_mp::" << Options::kName << "(" << conv.in_channels() << ", "
-         << conv.out_channels() << ", kernel_size=" << conv.kernel_size()
-         << ", stride=" << conv.stride() << ", bias=" << std::boolalpha << conv.bias()
-         << (Options::kShardDim == 0 ? ", gather_output=" : ", input_is_parallel=")
-         << options.flag() << ", tp_size=" << options.group()->getSize() << ")";
+  stream << "torch_mp::" << Options::kName << "(" << options::describe(options)
+         << ", tp_size=" << options.group()->getSize() << ")";
 }
 
 template <typename Options>
@@ -272,7 +307,7 @@ template <typename Options>
 std::shared_ptr<ParallelConv2dImpl<Options>> ParallelConv2dImpl<Options>::from_dense(
     const torch::nn::Conv2d& dense, Options options) {
   const auto a = conv2d_options_of(dense->options);
-  const auto& b = options.conv();
+  const auto b = options.conv();
   TORCH_CHECK(a.in_channels() == b.in_channels() && a.out_channels() == b.out_channels() &&
                   *a.kernel_size() == *b.kernel_size() && a.bias() == b.bias(),
               Options::kName,
@@ -313,97 +348,38 @@ template class ParallelConv2dImpl<RowParallelConv2dOptions>;
 
 namespace {
 
-using Pair = c10::ArrayRef<int64_t>;
-
-// The dense layer's options: `channels` of the split dim (`shard_dim` of the weight), the
-// others from this rank's weight shard.
-torch::nn::Conv2dOptions dense_options(const at::Tensor& weight,
-                                       bool bias,
-                                       int64_t shard_dim,
-                                       int64_t channels,
-                                       Pair stride,
-                                       c10::string_view padding,
-                                       Pair padding_size,
-                                       Pair dilation,
-                                       c10::string_view padding_mode) {
-  TORCH_CHECK(weight.dim() == 4, "Conv2d: the weight must be [out, in, kh, kw]");
-  const auto pair = [](Pair p) {
-    TORCH_CHECK(p.size() == 2, "Conv2d: expected a pair of numbers, got ", p);
-    return std::array<int64_t, 2>{p[0], p[1]};
-  };
-  const int64_t out_channels = shard_dim == 0 ? channels : weight.size(0);
-  const int64_t in_channels = shard_dim == 1 ? channels : weight.size(1);
-  return conv2d_options(in_channels,
-                        out_channels,
-                        {weight.size(2), weight.size(3)},
-                        pair(stride),
-                        std::string(padding),
-                        pair(padding_size),
-                        pair(dilation),
-                        1,
-                        bias,
-                        std::string(padding_mode));
+// The operators take the bias option and the bias itself: they must agree.
+template <typename Options>
+void check_conv_bias_given(const Options& o, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(o.bias() == (bias && bias->defined()),
+              Options::kName,
+              ": the bias option and the bias given disagree");
 }
 
 at::Tensor column_parallel_conv2d_op(const at::Tensor& input,
                                      const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias,
-                                     int64_t out_channels,
-                                     Pair stride,
-                                     c10::string_view padding,
-                                     Pair padding_size,
-                                     Pair dilation,
-                                     c10::string_view padding_mode,
-                                     bool gather_output,
-                                     c10::string_view group) {
-  const auto dense = dense_options(weight,
-                                   bias.has_value(),
-                                   0,
-                                   out_channels,
-                                   stride,
-                                   padding,
-                                   padding_size,
-                                   dilation,
-                                   padding_mode);
-  return column_parallel_conv2d(input, weight, bias, dense, gather_output, group_named(group));
+                                     const std::optional<at::Tensor>& bias_tensor,
+                                     const ColumnParallelConv2dOptions& o) {
+  check_conv_bias_given(o, bias_tensor);
+  return column_parallel_conv2d(input, weight, bias_tensor, o.conv(), o.gather_output(), o.group());
 }
 
 at::Tensor row_parallel_conv2d_op(const at::Tensor& input,
                                   const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias,
-                                  int64_t in_channels,
-                                  Pair stride,
-                                  c10::string_view padding,
-                                  Pair padding_size,
-                                  Pair dilation,
-                                  c10::string_view padding_mode,
-                                  bool input_is_parallel,
-                                  c10::string_view group) {
-  const auto dense = dense_options(weight,
-                                   bias.has_value(),
-                                   1,
-                                   in_channels,
-                                   stride,
-                                   padding,
-                                   padding_size,
-                                   dilation,
-                                   padding_mode);
-  return row_parallel_conv2d(input, weight, bias, dense, input_is_parallel, group_named(group));
+                                  const std::optional<at::Tensor>& bias_tensor,
+                                  const RowParallelConv2dOptions& o) {
+  check_conv_bias_given(o, bias_tensor);
+  return row_parallel_conv2d(
+      input, weight, bias_tensor, o.conv(), o.input_is_parallel(), o.group());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
-  m.def(
-      "column_parallel_conv2d(Tensor input, Tensor weight, Tensor? bias, int out_channels, "
-      "int[2] stride, str padding, int[2] padding_size, int[2] dilation, str padding_mode, "
-      "bool gather_output, str group) -> Tensor",
-      &column_parallel_conv2d_op);
-  m.def(
-      "row_parallel_conv2d(Tensor input, Tensor weight, Tensor? bias, int in_channels, "
-      "int[2] stride, str padding, int[2] padding_size, int[2] dilation, str padding_mode, "
-      "bool input_is_parallel, str group) -> Tensor",
-      &row_parallel_conv2d_op);
+  options::def_layer_operator<&column_parallel_conv2d_op>(
+      m, "column_parallel_conv2d(Tensor input, Tensor weight, Tensor? bias_tensor)");
+  options::def_layer_operator<&row_parallel_conv2d_op>(
+      m, "row_parallel_conv2d(Tensor input, Tensor weight, Tensor? bias_tensor)");
 }
 
 }  // namespace torch_mp::tensor_parallel

@@ -10,11 +10,10 @@
 // channel alone, so it commutes with splitting the channels.
 //
 // The forwards are also PyTorch operators (compositions, as the linear layers' are):
-//   torch.ops.torch_mp.column_parallel_conv2d(input, weight, bias, out_channels, stride, padding,
-//       padding_size, dilation, padding_mode, gather_output, group)
-//   torch.ops.torch_mp.row_parallel_conv2d(input, weight, bias, in_channels, stride, padding,
-//       padding_size, dilation, padding_mode, input_is_parallel, group)
-// with the geometry as conv2d_options below takes it.
+//   torch.ops.torch_mp.column_parallel_conv2d(input, weight, bias_tensor, *, <the declared
+//       ColumnParallelConv2dOptions>)
+//   torch.ops.torch_mp.row_parallel_conv2d(input, weight, bias_tensor, *, <the declared
+//       RowParallelConv2dOptions>)
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -28,7 +27,9 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <variant>
 
+#include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::tensor_parallel {
@@ -53,14 +54,6 @@ at::Tensor row_parallel_conv2d(const at::Tensor& input,
                                const torch::nn::Conv2dOptions& dense,
                                bool input_is_parallel,
                                const GroupPtr& group);
-
-/// Checks a channel-parallel Conv2d: groups = 1, valid geometry, the split channel count
-/// (dim 0 of the weight: out_channels; dim 1: in_channels) divisible by the group size, and the
-/// same configuration on every rank. `flag` is gather_output or input_is_parallel.
-void check_parallel_conv2d(const torch::nn::Conv2dOptions& dense,
-                           int64_t shard_dim,
-                           bool flag,
-                           const GroupPtr& group);
 
 /// Conv2dOptions from torch.nn.Conv2d's arguments as Python spells them: `padding` "same",
 /// "valid", or empty for the numbers `padding_size`; `padding_mode` "zeros", "reflect",
@@ -88,44 +81,82 @@ at::Tensor conv2d_as(const at::Tensor& input,
 
 // ---- torch::nn modules -----------------------------------------------------------------------
 
-/// Options of ColumnParallelConv2d: those of torch::nn::Conv2d (groups = 1) plus gather_output
-/// and group.
+/// A Conv2d's padding as torch.nn.Conv2d takes it: numbers, or "same" or "valid".
+using Conv2dPadding = std::variant<torch::ExpandingArray<2>, std::string>;
+
+/// The options the two layers share: torch.nn.Conv2d's (groups must be 1; padding_mode
+/// "zeros", "reflect", "replicate" or "circular").
+#define TORCH_MP_CONV2D_GEOMETRY_OPTIONS(REQUIRED, OPTION)    \
+  REQUIRED(int64_t, in_channels)                              \
+  REQUIRED(int64_t, out_channels)                             \
+  REQUIRED(torch::ExpandingArray<2>, kernel_size)             \
+  OPTION(torch::ExpandingArray<2>, stride, 1)                 \
+  OPTION(Conv2dPadding, padding, torch::ExpandingArray<2>(0)) \
+  OPTION(torch::ExpandingArray<2>, dilation, 1)               \
+  OPTION(int64_t, groups, 1)                                  \
+  OPTION(bool, bias, true)                                    \
+  OPTION(std::string, padding_mode, "zeros")
+
+/// The options of ColumnParallelConv2d, declared once (torch_mp/options.h): the geometry, then
+/// gather_output (all-gather the output channels so every rank gets all of them) and group (the
+/// tensor-parallel group; the default mesh's when null).
+#define TORCH_MP_COLUMN_PARALLEL_CONV2D_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  TORCH_MP_CONV2D_GEOMETRY_OPTIONS(REQUIRED, OPTION)                       \
+  OPTION(bool, gather_output, false)                                       \
+  OPTION(GroupPtr, group, {})
+
+/// The options of RowParallelConv2d, declared once: the geometry, then input_is_parallel (the
+/// input already holds this rank's in_channels / t channels) and group.
+#define TORCH_MP_ROW_PARALLEL_CONV2D_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  TORCH_MP_CONV2D_GEOMETRY_OPTIONS(REQUIRED, OPTION)                    \
+  OPTION(bool, input_is_parallel, true)                                 \
+  OPTION(GroupPtr, group, {})
+
+/// The dense torch::nn::Conv2d's options that a layer's `options` describe.
+template <typename Options>
+torch::nn::Conv2dOptions conv2d_geometry(const Options& options);
+/// Sets a layer's geometry from a dense torch::nn::Conv2d's options.
+template <typename Options>
+void set_conv2d_geometry(Options& options, const torch::nn::Conv2dOptions& dense);
+
+/// Options of ColumnParallelConv2d.
 struct ColumnParallelConv2dOptions {
   static constexpr int64_t kShardDim = 0;
   static constexpr const char* kName = "ColumnParallelConv2d";
-  ColumnParallelConv2dOptions(int64_t in_channels,
-                              int64_t out_channels,
-                              torch::ExpandingArray<2> kernel_size)
-      : conv_(in_channels, out_channels, kernel_size) {}
+  TORCH_MP_OPTIONS(ColumnParallelConv2dOptions, TORCH_MP_COLUMN_PARALLEL_CONV2D_OPTIONS)
   /// gather_output, under the name the layer template uses for either option.
   bool flag() const { return gather_output_; }
   /// The dense layer's options (in_channels, out_channels, kernel_size, stride, padding,
   /// dilation, bias, padding_mode).
-  TORCH_ARG(torch::nn::Conv2dOptions, conv);
-  /// All-gather the output channels so every rank gets all of them.
-  TORCH_ARG(bool, gather_output) = false;
-  /// The tensor-parallel group; the default mesh's when null.
-  TORCH_ARG(GroupPtr, group) = {};
+  torch::nn::Conv2dOptions conv() const { return conv2d_geometry(*this); }
+  /// Takes the geometry from a dense layer's options.
+  ColumnParallelConv2dOptions& conv(const torch::nn::Conv2dOptions& dense) {
+    set_conv2d_geometry(*this, dense);
+    return *this;
+  }
 };
 
-/// Options of RowParallelConv2d: those of torch::nn::Conv2d (groups = 1) plus input_is_parallel
-/// and group.
+/// Options of RowParallelConv2d.
 struct RowParallelConv2dOptions {
   static constexpr int64_t kShardDim = 1;
   static constexpr const char* kName = "RowParallelConv2d";
-  RowParallelConv2dOptions(int64_t in_channels,
-                           int64_t out_channels,
-                           torch::ExpandingArray<2> kernel_size)
-      : conv_(in_channels, out_channels, kernel_size) {}
+  TORCH_MP_OPTIONS(RowParallelConv2dOptions, TORCH_MP_ROW_PARALLEL_CONV2D_OPTIONS)
   /// input_is_parallel, under the name the layer template uses for either option.
   bool flag() const { return input_is_parallel_; }
   /// The dense layer's options.
-  TORCH_ARG(torch::nn::Conv2dOptions, conv);
-  /// The input already holds this rank's in_channels / t channels.
-  TORCH_ARG(bool, input_is_parallel) = true;
-  /// The tensor-parallel group; the default mesh's when null.
-  TORCH_ARG(GroupPtr, group) = {};
+  torch::nn::Conv2dOptions conv() const { return conv2d_geometry(*this); }
+  /// Takes the geometry from a dense layer's options.
+  RowParallelConv2dOptions& conv(const torch::nn::Conv2dOptions& dense) {
+    set_conv2d_geometry(*this, dense);
+    return *this;
+  }
 };
+
+/// Checks a channel-parallel Conv2d's options: groups = 1, valid geometry, the split channel
+/// count (out_channels for a column layer, in_channels for a row layer) divisible by the size of
+/// options.group() (which must be set), and the same options on every rank.
+void check_column_parallel_conv2d(const ColumnParallelConv2dOptions& options);
+void check_row_parallel_conv2d(const RowParallelConv2dOptions& options);
 
 /// A Conv2d whose output (Column) or input (Row) channels are split across the group.
 template <typename Options>

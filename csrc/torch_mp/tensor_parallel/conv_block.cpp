@@ -4,37 +4,22 @@
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/operator_options.h"
 #include "torch_mp/tensor_parallel/linear.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {
 
-void check_parallel_conv_block(int64_t in_channels,
-                               int64_t mid_channels,
-                               int64_t out_channels,
-                               int64_t kernel_size,
-                               int64_t padding,
-                               bool bias,
-                               const GroupPtr& group) {
-  comm::check_same_across_ranks(
-      {in_channels, mid_channels, out_channels, kernel_size, padding, bias},
-      group,
-      "ParallelConvBlock configuration [in_channels, mid_channels, out_channels, kernel_size, "
-      "padding, bias]");
-  TORCH_CHECK(
-      in_channels > 0 && mid_channels > 0 && out_channels > 0 && kernel_size > 0 && padding >= 0,
-      "ParallelConvBlock: channels and kernel_size must be positive and padding "
-      "non-negative, got in_channels=",
-      in_channels,
-      ", mid_channels=",
-      mid_channels,
-      ", out_channels=",
-      out_channels,
-      ", kernel_size=",
-      kernel_size,
-      ", padding=",
-      padding);
-  divide(mid_channels, group->getSize(), "ParallelConvBlock: mid_channels");
+void check_parallel_conv_block(const ParallelConvBlockOptions& o) {
+  TORCH_CHECK(o.group(), "ParallelConvBlock: options.group() is not set");
+  options::check_same_options(o, o.group(), "ParallelConvBlock");
+  const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
+  TORCH_CHECK(o.in_channels() > 0 && o.mid_channels() > 0 && o.out_channels() > 0 &&
+                  o.kernel_size() > 0 && padding >= 0,
+              "ParallelConvBlock: channels and kernel_size must be positive and padding "
+              "non-negative, got ",
+              options::describe(o));
+  divide(o.mid_channels(), o.group()->getSize(), "ParallelConvBlock: mid_channels");
 }
 
 void load_dense_batch_norm_(torch::nn::BatchNorm2d& local,
@@ -82,20 +67,17 @@ void ParallelConvBlockImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
   const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
-  check_parallel_conv_block(o.in_channels(),
-                            o.mid_channels(),
-                            o.out_channels(),
-                            o.kernel_size(),
-                            padding,
-                            o.bias(),
-                            o.group());
-  auto conv1_options =
+  check_parallel_conv_block(o);
+  const auto conv1_options =
       ColumnParallelConv2dOptions(o.in_channels(), o.mid_channels(), o.kernel_size())
+          .padding(torch::ExpandingArray<2>(padding))
+          .bias(o.bias())
           .group(o.group());
-  conv1_options.conv().padding(padding).bias(o.bias());
-  auto conv2_options = RowParallelConv2dOptions(o.mid_channels(), o.out_channels(), o.kernel_size())
-                           .group(o.group());
-  conv2_options.conv().padding(padding).bias(o.bias());
+  const auto conv2_options =
+      RowParallelConv2dOptions(o.mid_channels(), o.out_channels(), o.kernel_size())
+          .padding(torch::ExpandingArray<2>(padding))
+          .bias(o.bias())
+          .group(o.group());
   conv1 = register_module("conv1", ColumnParallelConv2dImpl::uninitialised(conv1_options));
   norm = register_module("norm", torch::nn::BatchNorm2d(o.mid_channels() / o.group()->getSize()));
   conv2 = register_module("conv2", RowParallelConv2dImpl::uninitialised(conv2_options));

@@ -14,46 +14,48 @@
 #include <optional>
 
 #include "torch_mp/dense.h"
+#include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 #include "torch_mp/tensor_parallel/conv.h"
 
 namespace torch_mp::tensor_parallel {
-
-/// Checks a convolutional block's configuration: positive sizes, mid_channels divisible by the
-/// group size, and the same configuration on every rank.
-void check_parallel_conv_block(int64_t in_channels,
-                               int64_t mid_channels,
-                               int64_t out_channels,
-                               int64_t kernel_size,
-                               int64_t padding,
-                               bool bias,
-                               const GroupPtr& group);
 
 /// Copies this rank's channels of a dense BatchNorm2d (parameters and running statistics).
 void load_dense_batch_norm_(torch::nn::BatchNorm2d& local,
                             const torch::nn::BatchNorm2d& dense,
                             const GroupPtr& group);
 
+/// The options of ParallelConvBlock, declared once (torch_mp/options.h):
+/// - in_channels, mid_channels, out_channels: the channels in, between the convolutions (the
+///   group size must divide them) and out;
+/// - kernel_size: of both convolutions;
+/// - padding: of both convolutions (default: kernel_size / 2, "same" for odd kernels);
+/// - bias: biases on both convolutions;
+/// - group: the tensor-parallel group; the default mesh's when null.
+#define TORCH_MP_PARALLEL_CONV_BLOCK_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  REQUIRED(int64_t, in_channels)                                        \
+  REQUIRED(int64_t, mid_channels)                                       \
+  REQUIRED(int64_t, out_channels)                                       \
+  OPTION(int64_t, kernel_size, 3)                                       \
+  OPTION(std::optional<int64_t>, padding, std::nullopt)                 \
+  OPTION(bool, bias, true)                                              \
+  OPTION(GroupPtr, group, {})
+
 /// Options of ParallelConvBlock.
 struct ParallelConvBlockOptions {
+  TORCH_MP_OPTIONS(ParallelConvBlockOptions, TORCH_MP_PARALLEL_CONV_BLOCK_OPTIONS)
   ParallelConvBlockOptions(int64_t in_channels,
                            int64_t mid_channels,
                            int64_t out_channels,
-                           int64_t kernel_size = 3)
-      : in_channels_(in_channels),
-        mid_channels_(mid_channels),
-        out_channels_(out_channels),
-        kernel_size_(kernel_size) {}
-  TORCH_ARG(int64_t, in_channels);
-  /// Channels between the convolutions; the group size must divide it.
-  TORCH_ARG(int64_t, mid_channels);
-  TORCH_ARG(int64_t, out_channels);
-  TORCH_ARG(int64_t, kernel_size);
-  /// Padding of both convolutions (default: kernel_size / 2, "same" for odd kernels).
-  TORCH_ARG(std::optional<int64_t>, padding) = std::nullopt;
-  TORCH_ARG(bool, bias) = true;
-  TORCH_ARG(GroupPtr, group) = {};
+                           int64_t kernel_size)
+      : ParallelConvBlockOptions(in_channels, mid_channels, out_channels) {
+    kernel_size_ = kernel_size;
+  }
 };
+
+/// Checks a convolutional block's options: positive sizes, mid_channels divisible by the size
+/// of options.group() (which must be set), and the same options on every rank.
+void check_parallel_conv_block(const ParallelConvBlockOptions& options);
 
 class ParallelConvBlock;
 

@@ -8,6 +8,7 @@
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/operator_options.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {
@@ -55,19 +56,15 @@ at::Tensor vocab_local_ids_meta(const at::Tensor& ids, int64_t, int64_t, int64_t
 
 at::Tensor vocab_parallel_embedding_op(const at::Tensor& input,
                                        const at::Tensor& weight,
-                                       int64_t num_embeddings,
-                                       std::optional<int64_t> padding_idx,
-                                       c10::string_view group) {
-  return vocab_parallel_embedding(input, weight, num_embeddings, padding_idx, group_named(group));
+                                       const VocabParallelEmbeddingOptions& o) {
+  return vocab_parallel_embedding(input, weight, o.num_embeddings(), o.padding_idx(), o.group());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
-  m.def(
-      "vocab_parallel_embedding(Tensor input, Tensor weight, int num_embeddings, "
-      "int? padding_idx, str group) -> Tensor",
-      &vocab_parallel_embedding_op);
+  options::def_layer_operator<&vocab_parallel_embedding_op>(
+      m, "vocab_parallel_embedding(Tensor input, Tensor weight)");
   m.def("vocab_local_ids(Tensor ids, int start, int real, int num_embeddings) -> Tensor");
 }
 
@@ -135,22 +132,16 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& input,
   return reduce_from_tp(partial, group);
 }
 
-void check_vocab_parallel_embedding(int64_t num_embeddings,
-                                    int64_t embedding_dim,
-                                    std::optional<int64_t> padding_idx,
-                                    const GroupPtr& group) {
-  comm::check_same_across_ranks(
-      {num_embeddings, embedding_dim, padding_idx.has_value(), padding_idx.value_or(0)},
-      group,
-      "VocabParallelEmbedding configuration [num_embeddings, embedding_dim, has padding_idx, "
-      "padding_idx]");
-  TORCH_CHECK(num_embeddings > 0 && embedding_dim >= 0,
+void check_vocab_parallel_embedding(const VocabParallelEmbeddingOptions& o) {
+  TORCH_CHECK(o.group(), "VocabParallelEmbedding: options.group() is not set");
+  options::check_same_options(o, o.group(), "VocabParallelEmbedding");
+  TORCH_CHECK(o.num_embeddings() > 0 && o.embedding_dim() >= 0,
               "VocabParallelEmbedding: num_embeddings must be positive and embedding_dim "
               "non-negative, got ",
-              num_embeddings,
+              o.num_embeddings(),
               " and ",
-              embedding_dim);
-  normalised_padding_idx(padding_idx, num_embeddings);
+              o.embedding_dim());
+  normalised_padding_idx(o.padding_idx(), o.num_embeddings());
 }
 
 void init_vocab_parallel_embedding_(at::Tensor& weight,
@@ -199,8 +190,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(VocabParallelEmbeddingOpt
 
 void VocabParallelEmbeddingImpl::reset() {
   options.group(tp_group_or_default(options.group()));
-  check_vocab_parallel_embedding(
-      options.num_embeddings(), options.embedding_dim(), options.padding_idx(), options.group());
+  check_vocab_parallel_embedding(options);
   options.padding_idx(normalised_padding_idx(options.padding_idx(), options.num_embeddings()));
   const VocabRange range = vocab_range(options.num_embeddings(), options.group());
   weight = register_parameter("weight", at::empty({range.rows, options.embedding_dim()}));
@@ -222,12 +212,8 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& input) {
 }
 
 void VocabParallelEmbeddingImpl::pretty_print(std::ostream& stream) const {
-  stream << "torch_mp::VocabParallelEmbedding(num_embeddings=" << options.num_embeddings()
-         << ", embedding_dim=" << options.embedding_dim();
-  if (options.padding_idx()) {
-    stream << ", padding_idx=" << *options.padding_idx();
-  }
-  stream << ", tp_size=" << options.group()->getSize() << ")";
+  stream << "torch_mp::VocabParallelEmbedding(" << options::describe(options)
+         << ", tp_size=" << options.group()->getSize() << ")";
 }
 
 VocabParallelEmbedding VocabParallelEmbeddingImpl::from_dense(const torch::nn::Embedding& dense,

@@ -16,6 +16,7 @@
 #include <optional>
 #include <ostream>
 
+#include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::tensor_parallel {
@@ -44,12 +45,6 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& input,
                                     std::optional<int64_t> padding_idx,
                                     const GroupPtr& group);
 
-/// Checks an embedding's configuration (the same on every rank, padding_idx in range).
-void check_vocab_parallel_embedding(int64_t num_embeddings,
-                                    int64_t embedding_dim,
-                                    std::optional<int64_t> padding_idx,
-                                    const GroupPtr& group);
-
 /// Fills `weight` with this rank's rows of a dense table initialised as torch.nn.Embedding does
 /// (standard normal, the padding_idx row zero); padding rows are zero.
 void init_vocab_parallel_embedding_(at::Tensor& weight,
@@ -68,19 +63,26 @@ at::Tensor gather_dense_embedding(const at::Tensor& weight,
 
 // ---- torch::nn module ------------------------------------------------------------------------
 
+/// The options of VocabParallelEmbedding, declared once (torch_mp/options.h):
+/// - num_embeddings: size of the vocabulary (of the dense table); any size, padded internally;
+/// - embedding_dim: size of each embedding vector;
+/// - padding_idx: an id whose row gets no gradient (and is initialised to zero); negative
+///   counts from the end;
+/// - group: the tensor-parallel group; the default mesh's when null.
+#define TORCH_MP_VOCAB_PARALLEL_EMBEDDING_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  REQUIRED(int64_t, num_embeddings)                                          \
+  REQUIRED(int64_t, embedding_dim)                                           \
+  OPTION(std::optional<int64_t>, padding_idx, std::nullopt)                  \
+  OPTION(GroupPtr, group, {})
+
 /// Options of VocabParallelEmbedding.
 struct VocabParallelEmbeddingOptions {
-  VocabParallelEmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim)
-      : num_embeddings_(num_embeddings), embedding_dim_(embedding_dim) {}
-  /// Size of the vocabulary (of the dense table); any size, padded internally.
-  TORCH_ARG(int64_t, num_embeddings);
-  /// Size of each embedding vector.
-  TORCH_ARG(int64_t, embedding_dim);
-  /// An id whose row gets no gradient (and is initialised to zero).
-  TORCH_ARG(std::optional<int64_t>, padding_idx) = std::nullopt;
-  /// The tensor-parallel group; the default mesh's when null.
-  TORCH_ARG(GroupPtr, group) = {};
+  TORCH_MP_OPTIONS(VocabParallelEmbeddingOptions, TORCH_MP_VOCAB_PARALLEL_EMBEDDING_OPTIONS)
 };
+
+/// Checks an embedding's options (the same on every rank of options.group(), which must be
+/// set; padding_idx in range).
+void check_vocab_parallel_embedding(const VocabParallelEmbeddingOptions& options);
 
 class VocabParallelEmbedding;
 

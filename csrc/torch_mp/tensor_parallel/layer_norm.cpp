@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/operator_options.h"
 
 namespace torch_mp::tensor_parallel {
 
@@ -22,24 +23,33 @@ at::Tensor layer_norm(const at::Tensor& input,
   return at::layer_norm_symint(input, {input.sym_size(-1)}, enter(weight), enter(bias), eps);
 }
 
+void check_layer_norm(const LayerNormOptions& o) {
+  TORCH_CHECK(o.normalized_shape().size() == 1 && o.normalized_shape()[0] > 0,
+              "torch_mp LayerNorm normalises over the last dim only: normalized_shape must be "
+              "one positive size");
+}
+
 namespace {
 
 at::Tensor layer_norm_op(const at::Tensor& input,
                          const std::optional<at::Tensor>& weight,
-                         const std::optional<at::Tensor>& bias,
-                         double eps,
-                         bool sequence_parallel,
-                         c10::string_view group) {
-  return layer_norm(input, weight, bias, eps, sequence_parallel, group_named(group));
+                         const std::optional<at::Tensor>& bias_tensor,
+                         const LayerNormOptions& o) {
+  check_layer_norm(o);
+  TORCH_CHECK(input.sym_size(-1) == o.normalized_shape()[0],
+              "LayerNorm: the input's last dim (",
+              input.sym_size(-1),
+              ") is not normalized_shape (",
+              o.normalized_shape()[0],
+              ")");
+  return layer_norm(input, weight, bias_tensor, o.eps(), o.sequence_parallel(), o.group());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
-  m.def(
-      "layer_norm(Tensor input, Tensor? weight, Tensor? bias, float eps, bool sequence_parallel, "
-      "str group) -> Tensor",
-      &layer_norm_op);
+  options::def_layer_operator<&layer_norm_op>(
+      m, "layer_norm(Tensor input, Tensor? weight, Tensor? bias_tensor)");
 }
 
 }  // namespace torch_mp::tensor_parallel

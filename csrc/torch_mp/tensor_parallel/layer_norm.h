@@ -4,13 +4,15 @@
 // gradient of the parameters is a part of the dense one: they enter through copy_to_tp, which
 // sums them over the group in backward.
 //
-// Also the PyTorch operator torch.ops.torch_mp.layer_norm(input, weight, bias, eps,
-// sequence_parallel, group), which torch_mp.tensor_parallel.LayerNorm calls.
+// Also the PyTorch operator torch.ops.torch_mp.layer_norm(input, weight, bias_tensor, *,
+// <LayerNormOptions>), which torch_mp.tensor_parallel.LayerNorm calls.
 
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
+#include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::tensor_parallel {
@@ -23,5 +25,24 @@ at::Tensor layer_norm(const at::Tensor& input,
                       double eps,
                       bool sequence_parallel,
                       const GroupPtr& group);
+
+/// The options of the Python module torch_mp.tensor_parallel.LayerNorm (torch.nn.LayerNorm's,
+/// over the last dim only, and sequence_parallel and group), declared once (torch_mp/options.h).
+/// The C++ modules use torch_mp::dense::LayerNorm and call layer_norm.
+#define TORCH_MP_LAYER_NORM_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  REQUIRED(std::vector<int64_t>, normalized_shape)             \
+  OPTION(double, eps, 1e-5)                                    \
+  OPTION(bool, elementwise_affine, true)                       \
+  OPTION(bool, bias, true)                                     \
+  OPTION(bool, sequence_parallel, false)                       \
+  OPTION(GroupPtr, group, {})
+
+/// Options of the tensor-parallel LayerNorm.
+struct LayerNormOptions {
+  TORCH_MP_OPTIONS(LayerNormOptions, TORCH_MP_LAYER_NORM_OPTIONS)
+};
+
+/// Checks a LayerNorm's options: one normalised (the last) dim, of positive size.
+void check_layer_norm(const LayerNormOptions& options);
 
 }  // namespace torch_mp::tensor_parallel

@@ -6,6 +6,7 @@
 #include "torch_mp/collectives.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/mesh.h"
+#include "torch_mp/operator_options.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {
@@ -44,40 +45,24 @@ at::Tensor row_parallel_linear(const at::Tensor& input,
   return y + (sequence_parallel ? copy_to_tp(*bias, group) : *bias);
 }
 
-void check_column_parallel_linear(int64_t in_features,
-                                  int64_t out_features,
-                                  bool bias,
-                                  bool gather_output,
-                                  bool sequence_parallel,
-                                  const GroupPtr& group) {
+void check_column_parallel_linear(const ColumnParallelLinearOptions& o) {
+  TORCH_CHECK(o.group(), "ColumnParallelLinear: options.group() is not set");
   // Agreement first: a check that fails on one rank only would leave the others waiting.
-  comm::check_same_across_ranks(
-      {in_features, out_features, bias, gather_output, sequence_parallel},
-      group,
-      "ColumnParallelLinear configuration [in_features, out_features, bias, gather_output, "
-      "sequence_parallel]");
-  check_non_negative(in_features, "ColumnParallelLinear: in_features");
-  divide(out_features, group->getSize(), "ColumnParallelLinear: out_features");
-  TORCH_CHECK(!(gather_output && sequence_parallel),
+  options::check_same_options(o, o.group(), "ColumnParallelLinear");
+  check_non_negative(o.in_features(), "ColumnParallelLinear: in_features");
+  divide(o.out_features(), o.group()->getSize(), "ColumnParallelLinear: out_features");
+  TORCH_CHECK(!(o.gather_output() && o.sequence_parallel()),
               "ColumnParallelLinear: gather_output and sequence_parallel cannot both be set "
               "(a sequence-parallel layer hands its split output to a RowParallelLinear)");
 }
 
-void check_row_parallel_linear(int64_t in_features,
-                               int64_t out_features,
-                               bool bias,
-                               bool input_is_parallel,
-                               bool sequence_parallel,
-                               const GroupPtr& group) {
+void check_row_parallel_linear(const RowParallelLinearOptions& o) {
+  TORCH_CHECK(o.group(), "RowParallelLinear: options.group() is not set");
   // Agreement first: a check that fails on one rank only would leave the others waiting.
-  comm::check_same_across_ranks(
-      {in_features, out_features, bias, input_is_parallel, sequence_parallel},
-      group,
-      "RowParallelLinear configuration [in_features, out_features, bias, input_is_parallel, "
-      "sequence_parallel]");
-  divide(in_features, group->getSize(), "RowParallelLinear: in_features");
-  check_non_negative(out_features, "RowParallelLinear: out_features");
-  TORCH_CHECK(input_is_parallel || !sequence_parallel,
+  options::check_same_options(o, o.group(), "RowParallelLinear");
+  divide(o.in_features(), o.group()->getSize(), "RowParallelLinear: in_features");
+  check_non_negative(o.out_features(), "RowParallelLinear: out_features");
+  TORCH_CHECK(o.input_is_parallel() || !o.sequence_parallel(),
               "RowParallelLinear: sequence_parallel needs input_is_parallel=True");
 }
 
@@ -132,8 +117,11 @@ void ParallelLinearImpl<Options>::reset() {
   constexpr bool column = Options::kShardDim == 0;
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
-  const auto check = column ? &check_column_parallel_linear : &check_row_parallel_linear;
-  check(o.in_features(), o.out_features(), o.bias(), o.flag(), o.sequence_parallel(), o.group());
+  if constexpr (column) {
+    check_column_parallel_linear(o);
+  } else {
+    check_row_parallel_linear(o);
+  }
   const int64_t t = o.group()->getSize();
   const int64_t out = column ? o.out_features() / t : o.out_features();
   const int64_t in = column ? o.in_features() : o.in_features() / t;
@@ -171,10 +159,7 @@ at::Tensor ParallelLinearImpl<Options>::forward(const at::Tensor& input) {
 
 template <typename Options>
 void ParallelLinearImpl<Options>::pretty_print(std::ostream& stream) const {
-  stream << "torch_mp::" << Options::kName << "(in_features=" << options.in_features()
-         << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
-         << options.bias() << ", " << Options::kFlagName << "=" << options.flag()
-         << ", sequence_parallel=" << options.sequence_parallel()
+  stream << "torch_mp::" << Options::kName << "(" << options::describe(options)
          << ", tp_size=" << options.group()->getSize() << ")";
 }
 
@@ -230,39 +215,52 @@ template class ParallelLinearImpl<RowParallelLinearOptions>;
 
 namespace {
 
+// The operators take the bias option and the bias itself: they must agree.
+template <typename Options>
+void check_bias_given(const Options& o, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(o.bias() == (bias && bias->defined()),
+              Options::kName,
+              ": the bias option is ",
+              o.bias() ? "set" : "unset",
+              " but a bias was ",
+              o.bias() ? "not given" : "given");
+}
+
 at::Tensor column_parallel_linear_op(const at::Tensor& input,
                                      const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias,
-                                     int64_t out_features,
-                                     bool gather_output,
-                                     bool sequence_parallel,
-                                     c10::string_view group) {
-  return column_parallel_linear(
-      input, weight, bias, out_features, gather_output, sequence_parallel, group_named(group));
+                                     const std::optional<at::Tensor>& bias_tensor,
+                                     const ColumnParallelLinearOptions& o) {
+  check_bias_given(o, bias_tensor);
+  return column_parallel_linear(input,
+                                weight,
+                                bias_tensor,
+                                o.out_features(),
+                                o.gather_output(),
+                                o.sequence_parallel(),
+                                o.group());
 }
 
 at::Tensor row_parallel_linear_op(const at::Tensor& input,
                                   const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias,
-                                  int64_t in_features,
-                                  bool input_is_parallel,
-                                  bool sequence_parallel,
-                                  c10::string_view group) {
-  return row_parallel_linear(
-      input, weight, bias, in_features, input_is_parallel, sequence_parallel, group_named(group));
+                                  const std::optional<at::Tensor>& bias_tensor,
+                                  const RowParallelLinearOptions& o) {
+  check_bias_given(o, bias_tensor);
+  return row_parallel_linear(input,
+                             weight,
+                             bias_tensor,
+                             o.in_features(),
+                             o.input_is_parallel(),
+                             o.sequence_parallel(),
+                             o.group());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
-  m.def(
-      "column_parallel_linear(Tensor input, Tensor weight, Tensor? bias, int out_features, "
-      "bool gather_output, bool sequence_parallel, str group) -> Tensor",
-      &column_parallel_linear_op);
-  m.def(
-      "row_parallel_linear(Tensor input, Tensor weight, Tensor? bias, int in_features, "
-      "bool input_is_parallel, bool sequence_parallel, str group) -> Tensor",
-      &row_parallel_linear_op);
+  options::def_layer_operator<&column_parallel_linear_op>(
+      m, "column_parallel_linear(Tensor input, Tensor weight, Tensor? bias_tensor)");
+  options::def_layer_operator<&row_parallel_linear_op>(
+      m, "row_parallel_linear(Tensor input, Tensor weight, Tensor? bias_tensor)");
 }
 
 }  // namespace torch_mp::tensor_parallel

@@ -6,8 +6,9 @@
 //
 // A column layer followed by a row layer (an MLP) needs one all-reduce forward and one backward.
 // The two forwards are also PyTorch operators, torch.ops.torch_mp.column_parallel_linear and
-// row_parallel_linear (their arguments as below, the group by name): compositions of ATen's and
-// the collectives' operators, which is what the Python modules call, eager and compiled alike.
+// row_parallel_linear (input, weight, bias_tensor, *, <the declared options below>, the group by
+// name): compositions of ATen's and the collectives' operators, which is what the Python modules
+// call, eager and compiled alike.
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -18,6 +19,7 @@
 #include <optional>
 #include <ostream>
 
+#include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::tensor_parallel {
@@ -50,24 +52,6 @@ at::Tensor row_parallel_linear(const at::Tensor& input,
                                const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias,
                                int64_t in_features,
-                               bool input_is_parallel,
-                               bool sequence_parallel,
-                               const GroupPtr& group);
-
-/// Checks a column-parallel layer's configuration: sizes divisible by the group size, no
-/// `gather_output` together with `sequence_parallel`, and the same configuration on every rank
-/// of the group (one small all-gather). Raises with the reason otherwise.
-void check_column_parallel_linear(int64_t in_features,
-                                  int64_t out_features,
-                                  bool bias,
-                                  bool gather_output,
-                                  bool sequence_parallel,
-                                  const GroupPtr& group);
-
-/// The same checks for a row-parallel layer (`sequence_parallel` needs `input_is_parallel`).
-void check_row_parallel_linear(int64_t in_features,
-                               int64_t out_features,
-                               bool bias,
                                bool input_is_parallel,
                                bool sequence_parallel,
                                const GroupPtr& group);
@@ -107,53 +91,66 @@ std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_linear(
 class ColumnParallelLinear;
 class RowParallelLinear;
 
+/// The options of ColumnParallelLinear, declared once (torch_mp/options.h):
+/// - in_features: size of each input sample;
+/// - out_features: size of each output sample (of the dense layer); the group size divides it;
+/// - bias: whether the layer has a bias;
+/// - gather_output: all-gather the output so every rank gets all out_features;
+/// - sequence_parallel: input sharded along the sequence dim (0), all-gathered before the
+///   product;
+/// - group: the tensor-parallel group; the default mesh's when null.
+#define TORCH_MP_COLUMN_PARALLEL_LINEAR_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  REQUIRED(int64_t, in_features)                                           \
+  REQUIRED(int64_t, out_features)                                          \
+  OPTION(bool, bias, true)                                                 \
+  OPTION(bool, gather_output, false)                                       \
+  OPTION(bool, sequence_parallel, false)                                   \
+  OPTION(GroupPtr, group, {})
+
 /// Options of ColumnParallelLinear.
 struct ColumnParallelLinearOptions {
   using Holder = ColumnParallelLinear;
   static constexpr int64_t kShardDim = 0;
   static constexpr const char* kName = "ColumnParallelLinear";
-  static constexpr const char* kFlagName = "gather_output";
-  ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
-      : in_features_(in_features), out_features_(out_features) {}
   /// gather_output, under the name the layer template uses for either option.
   bool flag() const { return gather_output_; }
-  /// Size of each input sample.
-  TORCH_ARG(int64_t, in_features);
-  /// Size of each output sample (of the dense layer).
-  TORCH_ARG(int64_t, out_features);
-  /// Whether the layer has a bias.
-  TORCH_ARG(bool, bias) = true;
-  /// All-gather the output so every rank gets all out_features.
-  TORCH_ARG(bool, gather_output) = false;
-  /// Input sharded along the sequence dim (0); all-gathered before the product.
-  TORCH_ARG(bool, sequence_parallel) = false;
-  /// The tensor-parallel group; the default mesh's when null.
-  TORCH_ARG(GroupPtr, group) = {};
+  TORCH_MP_OPTIONS(ColumnParallelLinearOptions, TORCH_MP_COLUMN_PARALLEL_LINEAR_OPTIONS)
 };
+
+/// The options of RowParallelLinear, declared once (torch_mp/options.h):
+/// - in_features: size of each input sample (of the dense layer); the group size divides it;
+/// - out_features: size of each output sample;
+/// - bias: whether the layer has a bias (whole on every rank, added after the reduction);
+/// - input_is_parallel: the input is already split along its last dim (a column layer's
+///   output);
+/// - sequence_parallel: reduce-scatter the output along the sequence dim (0) instead of
+///   all-reducing it;
+/// - group: the tensor-parallel group; the default mesh's when null.
+#define TORCH_MP_ROW_PARALLEL_LINEAR_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  REQUIRED(int64_t, in_features)                                        \
+  REQUIRED(int64_t, out_features)                                       \
+  OPTION(bool, bias, true)                                              \
+  OPTION(bool, input_is_parallel, true)                                 \
+  OPTION(bool, sequence_parallel, false)                                \
+  OPTION(GroupPtr, group, {})
 
 /// Options of RowParallelLinear.
 struct RowParallelLinearOptions {
   using Holder = RowParallelLinear;
   static constexpr int64_t kShardDim = 1;
   static constexpr const char* kName = "RowParallelLinear";
-  static constexpr const char* kFlagName = "input_is_parallel";
-  RowParallelLinearOptions(int64_t in_features, int64_t out_features)
-      : in_features_(in_features), out_features_(out_features) {}
   /// input_is_parallel, under the name the layer template uses for either option.
   bool flag() const { return input_is_parallel_; }
-  /// Size of each input sample (of the dense layer).
-  TORCH_ARG(int64_t, in_features);
-  /// Size of each output sample.
-  TORCH_ARG(int64_t, out_features);
-  /// Whether the layer has a bias (whole on every rank, added after the reduction).
-  TORCH_ARG(bool, bias) = true;
-  /// The input is already split along its last dim (e.g. a column layer's output).
-  TORCH_ARG(bool, input_is_parallel) = true;
-  /// Reduce-scatter the output along the sequence dim (0) instead of all-reducing it.
-  TORCH_ARG(bool, sequence_parallel) = false;
-  /// The tensor-parallel group; the default mesh's when null.
-  TORCH_ARG(GroupPtr, group) = {};
+  TORCH_MP_OPTIONS(RowParallelLinearOptions, TORCH_MP_ROW_PARALLEL_LINEAR_OPTIONS)
 };
+
+/// Checks a column-parallel layer's options: sizes divisible by the size of options.group()
+/// (which must be set), no `gather_output` together with `sequence_parallel`, and the same
+/// options on every rank of the group (one small all-gather). Raises with the reason otherwise.
+void check_column_parallel_linear(const ColumnParallelLinearOptions& options);
+
+/// The same checks for a row-parallel layer (`sequence_parallel` needs `input_is_parallel`).
+void check_row_parallel_linear(const RowParallelLinearOptions& options);
 
 /// A Linear layer whose output (Column) or input (Row) features are split across the
 /// tensor-parallel group.

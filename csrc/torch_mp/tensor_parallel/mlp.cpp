@@ -5,38 +5,18 @@
 
 #include "torch_mp/activation.h"
 #include "torch_mp/collectives.h"
+#include "torch_mp/operator_options.h"
 #include "torch_mp/tensor_parallel/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {
-namespace {
 
-// The activation's id in the agreement check (-1: unknown, raised after the check).
-int64_t activation_id(const std::string& name) {
-  return name == "gelu" ? 0 : name == "relu" ? 1 : -1;
-}
-
-}  // namespace
-
-void check_parallel_mlp(int64_t hidden_size,
-                        int64_t ffn_hidden_size,
-                        bool bias,
-                        const std::string& activation_name,
-                        double dropout,
-                        bool sequence_parallel,
-                        const GroupPtr& group) {
-  comm::check_same_across_ranks({hidden_size,
-                                 ffn_hidden_size,
-                                 bias,
-                                 activation_id(activation_name),
-                                 comm::bits(dropout),
-                                 sequence_parallel},
-                                group,
-                                "ParallelMLP configuration [hidden_size, ffn_hidden_size, bias, "
-                                "activation (0 gelu, 1 relu), dropout (bits), sequence_parallel]");
-  check_activation(activation_name);
-  check_non_negative(hidden_size, "ParallelMLP: hidden_size");
-  divide(ffn_hidden_size, group->getSize(), "ParallelMLP: ffn_hidden_size");
+void check_parallel_mlp(const ParallelMLPOptions& o) {
+  TORCH_CHECK(o.group(), "ParallelMLP: options.group() is not set");
+  options::check_same_options(o, o.group(), "ParallelMLP");
+  check_activation(o.activation());
+  check_non_negative(o.hidden_size(), "ParallelMLP: hidden_size");
+  divide(o.ffn_hidden_size(), o.group()->getSize(), "ParallelMLP: ffn_hidden_size");
 }
 
 at::Tensor parallel_mlp(const at::Tensor& x,
@@ -68,13 +48,7 @@ ParallelMLPImpl::ParallelMLPImpl(ParallelMLPOptions options_, bool initialise)
 void ParallelMLPImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
-  check_parallel_mlp(o.hidden_size(),
-                     o.ffn_hidden_size(),
-                     o.bias(),
-                     o.activation(),
-                     o.dropout(),
-                     o.sequence_parallel(),
-                     o.group());
+  check_parallel_mlp(o);
   fc1 = register_module("fc1",
                         ColumnParallelLinearImpl::uninitialised(
                             ColumnParallelLinearOptions(o.hidden_size(), o.ffn_hidden_size())
@@ -155,29 +129,18 @@ at::Tensor parallel_mlp_op(const at::Tensor& x,
                            const std::optional<at::Tensor>& fc1_bias,
                            const at::Tensor& fc2_weight,
                            const std::optional<at::Tensor>& fc2_bias,
-                           c10::string_view activation,
-                           double dropout,
-                           bool sequence_parallel,
                            bool training,
-                           c10::string_view group_name) {
-  const auto group = group_named(group_name);
-  const auto options = ParallelMLPOptions(fc1_weight.size(1), fc1_weight.size(0) * group->getSize())
-                           .bias(fc1_bias.has_value())
-                           .activation(std::string(activation))
-                           .dropout(dropout)
-                           .sequence_parallel(sequence_parallel)
-                           .group(group);
+                           const ParallelMLPOptions& options) {
   return parallel_mlp(x, {fc1_weight, fc1_bias, fc2_weight, fc2_bias}, options, training);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
-  m.def(
+  options::def_layer_operator<&parallel_mlp_op>(
+      m,
       "parallel_mlp(Tensor x, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight, "
-      "Tensor? fc2_bias, str activation, float dropout, bool sequence_parallel, bool training, "
-      "str group) -> Tensor",
-      &parallel_mlp_op);
+      "Tensor? fc2_bias, bool training)");
 }
 
 }  // namespace torch_mp::tensor_parallel

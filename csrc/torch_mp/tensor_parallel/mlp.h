@@ -4,8 +4,8 @@
 // parallelism). Equals torch_mp::dense::MLP given the same weights.
 //
 // The forward is also the PyTorch operator torch.ops.torch_mp.parallel_mlp(x, fc1_weight,
-// fc1_bias, fc2_weight, fc2_bias, activation, dropout, sequence_parallel, training, group), a
-// composition, which the Python module calls.
+// fc1_bias, fc2_weight, fc2_bias, training, *, <the options below>), a composition, which the
+// Python module calls.
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -16,36 +16,37 @@
 #include <string>
 
 #include "torch_mp/dense.h"
+#include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 #include "torch_mp/tensor_parallel/linear.h"
 
 namespace torch_mp::tensor_parallel {
 
-/// Checks an MLP's configuration: a known activation ("gelu", "relu"), ffn_hidden_size divisible
-/// by the group size, and the same configuration on every rank (floats by their bits).
-void check_parallel_mlp(int64_t hidden_size,
-                        int64_t ffn_hidden_size,
-                        bool bias,
-                        const std::string& activation,
-                        double dropout,
-                        bool sequence_parallel,
-                        const GroupPtr& group);
+/// The options of ParallelMLP, declared once (torch_mp/options.h):
+/// - hidden_size: input and output size;
+/// - ffn_hidden_size: width of the inner layer; the group size must divide it;
+/// - bias: biases on both layers;
+/// - activation: "gelu" or "relu";
+/// - dropout: after the activation (in training; the per-rank stream, see region_dropout);
+/// - sequence_parallel: input and output split along the sequence dim (0);
+/// - group: the tensor-parallel group; the default mesh's when null.
+#define TORCH_MP_PARALLEL_MLP_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  REQUIRED(int64_t, hidden_size)                                 \
+  REQUIRED(int64_t, ffn_hidden_size)                             \
+  OPTION(bool, bias, true)                                       \
+  OPTION(std::string, activation, "gelu")                        \
+  OPTION(double, dropout, 0.0)                                   \
+  OPTION(bool, sequence_parallel, false)                         \
+  OPTION(GroupPtr, group, {})
 
 /// Options of ParallelMLP.
 struct ParallelMLPOptions {
-  ParallelMLPOptions(int64_t hidden_size, int64_t ffn_hidden_size)
-      : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size) {}
-  TORCH_ARG(int64_t, hidden_size);
-  /// Width of the inner layer; the group size must divide it.
-  TORCH_ARG(int64_t, ffn_hidden_size);
-  TORCH_ARG(bool, bias) = true;
-  /// "gelu" or "relu".
-  TORCH_ARG(std::string, activation) = "gelu";
-  /// Dropout after the activation (in training; the per-rank stream, see region_dropout).
-  TORCH_ARG(double, dropout) = 0.0;
-  TORCH_ARG(bool, sequence_parallel) = false;
-  TORCH_ARG(GroupPtr, group) = {};
+  TORCH_MP_OPTIONS(ParallelMLPOptions, TORCH_MP_PARALLEL_MLP_OPTIONS)
 };
+
+/// Checks an MLP's configuration: a known activation ("gelu", "relu"), ffn_hidden_size divisible
+/// by the group size (options.group(), which must be set), and the same options on every rank.
+void check_parallel_mlp(const ParallelMLPOptions& options);
 
 /// This rank's parameters of an MLP: fc1's [ffn/t, h] weight (and [ffn/t] bias), fc2's
 /// [h, ffn/t] weight (and whole [h] bias).

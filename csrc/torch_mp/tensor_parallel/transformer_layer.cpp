@@ -10,6 +10,7 @@
 #include "torch_mp/collectives.h"
 #include "torch_mp/context_parallel/sharding.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/operator_options.h"
 #include "torch_mp/recompute.h"
 #include "torch_mp/tensor_parallel/layer_norm.h"
 #include "torch_mp/tensor_parallel/random.h"
@@ -29,21 +30,15 @@ std::string activation_name(const torch::nn::activation_t& a) {
 
 }  // namespace
 
-void check_parallel_transformer_layer(bool norm_first,
-                                      double layer_norm_eps,
-                                      const std::string& recompute,
-                                      const GroupPtr& group) {
-  const std::vector<std::string> modes{"", "full", "selective"};
-  const auto mode = std::find(modes.begin(), modes.end(), recompute) - modes.begin();
+void check_parallel_transformer_layer(const ParallelTransformerLayerOptions& o) {
+  TORCH_CHECK(o.group(), "ParallelTransformerLayer: options.group() is not set");
   // Agreed before it is refused: a rank that refused alone would leave the others waiting.
-  comm::check_same_across_ranks(
-      {norm_first, comm::bits(layer_norm_eps), mode},
-      group,
-      "ParallelTransformerLayer configuration [norm_first, layer_norm_eps (bits), recompute]");
-  TORCH_CHECK(mode < static_cast<std::ptrdiff_t>(modes.size()),
+  options::check_same_options(o, o.group(), "ParallelTransformerLayer");
+  const std::vector<std::string> modes{"", "full", "selective"};
+  TORCH_CHECK(std::find(modes.begin(), modes.end(), o.recompute()) != modes.end(),
               "ParallelTransformerLayer: recompute must be none (\"\"), \"full\" or "
               "\"selective\", got \"",
-              recompute,
+              o.recompute(),
               "\"");
 }
 
@@ -184,7 +179,7 @@ void ParallelTransformerLayerImpl::reset() {
   }
   const auto& o = options;
   // What the attention and MLP do not check themselves.
-  check_parallel_transformer_layer(o.norm_first(), o.layer_norm_eps(), o.recompute(), o.group());
+  check_parallel_transformer_layer(o);
   const auto norm_options =
       dense::LayerNormOptions(o.hidden_size()).eps(o.layer_norm_eps()).bias(o.bias());
   norm1 = register_module("norm1", dense::LayerNorm(norm_options));
@@ -352,33 +347,8 @@ at::Tensor parallel_transformer_layer_op(const at::Tensor& x,
                                          Optional fc2_bias,
                                          Optional attn_mask,
                                          bool is_causal,
-                                         int64_t num_heads,
-                                         c10::string_view activation,
-                                         double dropout,
-                                         double layer_norm_eps,
-                                         bool norm_first,
-                                         bool sequence_parallel,
                                          bool training,
-                                         c10::string_view group_name,
-                                         c10::string_view recompute,
-                                         c10::string_view context_group,
-                                         c10::string_view context_method,
-                                         bool load_balance) {
-  const auto group = group_named(group_name);
-  const auto options = ParallelTransformerLayerOptions(
-                           qkv_weight.size(1), num_heads, fc1_weight.size(0) * group->getSize())
-                           .dropout(dropout)
-                           .activation(std::string(activation))
-                           .layer_norm_eps(layer_norm_eps)
-                           .norm_first(norm_first)
-                           .bias(qkv_bias.has_value())
-                           .sequence_parallel(sequence_parallel)
-                           .recompute(std::string(recompute))
-                           .group(group)
-                           .context_parallel(!context_group.empty())
-                           .context_group(group_named_or_none(context_group))
-                           .context_method(std::string(context_method))
-                           .load_balance(load_balance);
+                                         const ParallelTransformerLayerOptions& options) {
   const TransformerLayerParameters parameters{norm1_weight,
                                               norm1_bias,
                                               {qkv_weight, qkv_bias, proj_weight, proj_bias},
@@ -391,15 +361,12 @@ at::Tensor parallel_transformer_layer_op(const at::Tensor& x,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
-  m.def(
+  options::def_layer_operator<&parallel_transformer_layer_op>(
+      m,
       "parallel_transformer_layer(Tensor x, Tensor? norm1_weight, Tensor? norm1_bias, "
       "Tensor qkv_weight, Tensor? qkv_bias, Tensor proj_weight, Tensor? proj_bias, "
       "Tensor? norm2_weight, Tensor? norm2_bias, Tensor fc1_weight, Tensor? fc1_bias, "
-      "Tensor fc2_weight, Tensor? fc2_bias, Tensor? attn_mask, bool is_causal, int num_heads, "
-      "str activation, float dropout, float layer_norm_eps, bool norm_first, "
-      "bool sequence_parallel, bool training, str group, str recompute=\"\", "
-      "str context_group=\"\", str context_method=\"ring\", bool load_balance=True) -> Tensor",
-      &parallel_transformer_layer_op);
+      "Tensor fc2_weight, Tensor? fc2_bias, Tensor? attn_mask, bool is_causal, bool training)");
 }
 
 }  // namespace torch_mp::tensor_parallel

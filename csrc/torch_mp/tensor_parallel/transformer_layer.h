@@ -24,53 +24,61 @@
 #include <string>
 
 #include "torch_mp/dense.h"
+#include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 #include "torch_mp/tensor_parallel/attention.h"
 #include "torch_mp/tensor_parallel/mlp.h"
 
 namespace torch_mp::tensor_parallel {
 
-/// What a transformer layer checks beyond its attention's and MLP's checks: `recompute` one of
-/// "", "full" and "selective", and the same norm_first, layer_norm_eps and recompute on every
-/// rank.
-void check_parallel_transformer_layer(bool norm_first,
-                                      double layer_norm_eps,
-                                      const std::string& recompute,
-                                      const GroupPtr& group);
+/// The options of ParallelTransformerLayer, declared once (torch_mp/options.h); defaults as
+/// torch::nn::TransformerEncoderLayer's:
+/// - hidden_size, num_heads, ffn_hidden_size: d_model, nhead, dim_feedforward;
+/// - dropout, activation ("relu" or "gelu"), layer_norm_eps: as the dense layer's;
+/// - norm_first: pre-LN (x + f(norm(x))) instead of post-LN (norm(x + f(x)));
+/// - bias: biases of the projections and the LayerNorms;
+/// - sequence_parallel: input and output split along the sequence dim (0);
+/// - group: the tensor-parallel group; the default mesh's when null;
+/// - recompute: activation recomputation: "" keeps every activation for the backward; "full"
+///   keeps the layer's input only and recomputes the whole layer in the backward; "selective"
+///   recomputes the attention core only (scores, softmax, dropout, the product with V: the
+///   activations that grow with s^2; Megatron's choice). Both replay the dropout masks
+///   (torch_mp::recompute), so the gradients equal those without recomputation, and both
+///   compose with the pipeline's zero-bubble split (one recomputation, each gradient once);
+/// - context_parallel, context_group, context_method, load_balance: the sequence split over a
+///   context group too, as ParallelSelfAttentionOptions' (the context group the default mesh's
+///   when unset).
+#define TORCH_MP_PARALLEL_TRANSFORMER_LAYER_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  REQUIRED(int64_t, hidden_size)                                               \
+  REQUIRED(int64_t, num_heads)                                                 \
+  OPTION(int64_t, ffn_hidden_size, 2048)                                       \
+  OPTION(double, dropout, 0.1)                                                 \
+  OPTION(std::string, activation, "relu")                                      \
+  OPTION(double, layer_norm_eps, 1e-5)                                         \
+  OPTION(bool, norm_first, false)                                              \
+  OPTION(bool, bias, true)                                                     \
+  OPTION(bool, sequence_parallel, false)                                       \
+  OPTION(GroupPtr, group, {})                                                  \
+  KEYWORD(std::string, recompute, "")                                          \
+  KEYWORD(bool, context_parallel, false)                                       \
+  KEYWORD(GroupPtr, context_group, {})                                         \
+  KEYWORD(std::string, context_method, "ring")                                 \
+  KEYWORD(bool, load_balance, true)
 
-/// Options of ParallelTransformerLayer (defaults as torch::nn::TransformerEncoderLayer's).
+/// Options of ParallelTransformerLayer.
 struct ParallelTransformerLayerOptions {
+  TORCH_MP_OPTIONS(ParallelTransformerLayerOptions, TORCH_MP_PARALLEL_TRANSFORMER_LAYER_OPTIONS)
+  /// The sizes, as torch::nn::TransformerEncoderLayerOptions(d_model, nhead) with
+  /// dim_feedforward.
   ParallelTransformerLayerOptions(int64_t hidden_size, int64_t num_heads, int64_t ffn_hidden_size)
-      : hidden_size_(hidden_size), num_heads_(num_heads), ffn_hidden_size_(ffn_hidden_size) {}
-  TORCH_ARG(int64_t, hidden_size);
-  TORCH_ARG(int64_t, num_heads);
-  TORCH_ARG(int64_t, ffn_hidden_size);
-  TORCH_ARG(double, dropout) = 0.1;
-  /// "relu" or "gelu".
-  TORCH_ARG(std::string, activation) = "relu";
-  TORCH_ARG(double, layer_norm_eps) = 1e-5;
-  /// Pre-LN (x + f(norm(x))) instead of post-LN (norm(x + f(x))).
-  TORCH_ARG(bool, norm_first) = false;
-  /// Biases of the projections and the LayerNorms.
-  TORCH_ARG(bool, bias) = true;
-  TORCH_ARG(bool, sequence_parallel) = false;
-  /// Activation recomputation: "" keeps every activation for the backward; "full" keeps the
-  /// layer's input only and recomputes the whole layer in the backward; "selective" recomputes
-  /// the attention core only (scores, softmax, dropout, the product with V: the activations
-  /// that grow with s^2; Megatron's choice). Both replay the dropout masks (torch_mp::recompute),
-  /// so the gradients equal those without recomputation, and both compose with the pipeline's
-  /// zero-bubble split (one recomputation, each gradient once).
-  TORCH_ARG(std::string, recompute) = "";
-  TORCH_ARG(GroupPtr, group) = {};
-  /// The sequence split over a context group too, as ParallelSelfAttentionOptions'.
-  TORCH_ARG(bool, context_parallel) = false;
-  /// The context group; the default mesh's when unset (with context_parallel only).
-  TORCH_ARG(GroupPtr, context_group) = {};
-  /// "ring", "all_gather" or "all_to_all" (context_parallel/attention.h).
-  TORCH_ARG(std::string, context_method) = "ring";
-  /// Whether the sequence was cut load-balanced (shard_sequence's default).
-  TORCH_ARG(bool, load_balance) = true;
+      : ParallelTransformerLayerOptions(hidden_size, num_heads) {
+    ffn_hidden_size_ = ffn_hidden_size;
+  }
 };
+
+/// What a transformer layer checks beyond its attention's and MLP's checks: `recompute` one of
+/// "", "full" and "selective", and the same options on every rank of options.group().
+void check_parallel_transformer_layer(const ParallelTransformerLayerOptions& options);
 
 /// This rank's parameters of a transformer layer (the norms' replicated, whole).
 struct TransformerLayerParameters {
