@@ -10,11 +10,14 @@ built on :class:`DeclaredOptions` derives the rest from the same declaration
 - the options it hands its operator (``torch.ops.torch_mp.<op>(..., **self._operator_options())``,
   the operator's keyword-only arguments) and the construction-time check
   (``torch_mp._C.check_options``);
-- the options ``from_dense`` takes: those the dense module does not determine.
+- the options ``from_dense`` takes: those the dense module does not determine;
+- the options of the layers it is made of (``torch_mp._C.child_options``: what the C++ module
+  builds its children with).
 
 Every option is an attribute of the module (``layer.sequence_parallel``), except one whose name
-is a parameter's (``bias``: whether the parameter exists). A group option holds a
-``ProcessGroup`` (or None) and reaches the core by name.
+is a parameter's (``bias``: whether the parameter exists) and one renamed where its name is a
+submodule's (``_ATTRIBUTES``). A group option holds a ``ProcessGroup`` (or None) and reaches the
+core by name.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ class DeclaredOptions:
             if name in resolved:
                 value = options[name] = resolved[name](value)
             if not self._is_parameter_option(name):
-                setattr(self, name, value)
+                setattr(self, self._ATTRIBUTES.get(name, name), value)
         return options
 
     def _is_parameter_option(self, name: str) -> bool:
@@ -136,6 +139,8 @@ class DeclaredOptions:
 
     # Options that name a parameter of the module itself: the option is the parameter's presence.
     _PARAMETER_OPTIONS: frozenset[str] = frozenset()
+    # Options kept under another attribute (where the option's name is a submodule's).
+    _ATTRIBUTES: dict[str, str] = {}
 
     def _check_options(self, options: dict[str, Any]) -> None:
         """The core's construction-time check of ``options`` (sizes, rank agreement)."""
@@ -155,18 +160,32 @@ class DeclaredOptions:
             name: (
                 getattr(self, name) is not None
                 if self._is_parameter_option(name)
-                else getattr(self, name)
+                else getattr(self, self._ATTRIBUTES.get(name, name))
             )
             for name in self._declaration.names
         }
 
-    def _child_options(self, child: type[DeclaredOptions], **overrides) -> dict[str, Any]:
-        """The options of a ``child`` module built from this one: each option the child declares
-        under a name this module declares too, then ``overrides`` (the options named
-        otherwise)."""
-        mine = self.options()
-        chosen = {name: mine[name] for name in child._declaration.names if name in mine}
-        return {**chosen, **overrides}
+    def _children(self, **classes: type[DeclaredOptions]) -> dict[str, dict[str, Any]]:
+        """The options of the layers this one is made of, by attribute (``classes`` maps each
+        attribute to its layer's class), as the core derives them from this layer's options
+        (``_C.child_options``: what the C++ module builds its children with). Their groups are
+        this layer's."""
+        made = _C.child_options(self._declaration.name, self._operator_options())
+        if set(made) != set(classes):
+            raise RuntimeError(
+                f"{self._declaration.name}: the core builds {sorted(made)}, not {sorted(classes)}"
+            )
+        mine = [getattr(self, name) for name in self._declaration.groups]
+        groups = {g.group_name: g for g in mine if g is not None}
+        return {
+            attribute: {
+                name: (groups[value] if value else None)
+                if name in classes[attribute]._declaration.groups
+                else value
+                for name, value in options.items()
+            }
+            for attribute, options in made.items()
+        }
 
     def extra_repr(self) -> str:
         """The options (groups aside) and the tensor-parallel size."""

@@ -7,11 +7,11 @@ ones PyTorch lacks. They are ordinary ``nn.Module``s, usable as one-process refe
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from torch_mp._options import DeclaredOptions
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -62,7 +62,6 @@ class ConvBlock(nn.Module):
         return self.conv2(F.relu(self.norm(self.conv1(x))))
 
 
-_ROUTERS = ("softmax", "sigmoid")
 #: The experts' activations: those of the MLP, and the gated "swiglu" (Mixtral's and LLaMA's
 #: ``silu(gate) * up``, the gate and up projections stacked in ``fc1``).
 _EXPERT_ACTIVATIONS = (*_ACTIVATIONS, "swiglu")
@@ -130,9 +129,10 @@ class Experts(nn.Module):
         return F.linear(hidden, self.fc2_weight[i], b2)
 
 
-class MoE(nn.Module):
+class MoE(DeclaredOptions, nn.Module, declared="dense.MoE"):
     """A mixture of experts on one process: the reference :class:`torch_mp.moe.MoE` is checked
-    against.
+    against. Its options are the C++ core's declaration (csrc/torch_mp/dense.h); its forward is
+    the core's operator ``torch.ops.torch_mp.moe`` with every expert on this process.
 
     A linear router (no bias) scores every token against every expert and keeps the ``top_k``
     best: ``"softmax"`` takes the softmax over all experts, then the top k, their weights
@@ -153,70 +153,27 @@ class MoE(nn.Module):
     1 over the experts).
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        num_experts: int,
-        top_k: int = 2,
-        *,
-        activation: str = "gelu",
-        router: str = "softmax",
-        capacity_factor: float | None = None,
-        aux_loss_coef: float = 0.01,
-        bias: bool = False,
-    ) -> None:
+    # The option ``router`` names the routing; the attribute ``router`` is the linear router.
+    _ATTRIBUTES = {"router": "router_kind"}
+
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        if router not in _ROUTERS:
-            raise ValueError(f"MoE: router must be 'softmax' or 'sigmoid', got {router!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"MoE: top_k must be in [1, num_experts = {num_experts}], got {top_k}")
-        if capacity_factor is not None and not (0 < capacity_factor < math.inf):
-            raise ValueError(
-                "MoE: capacity_factor must be positive (a capacity of zero drops every token) "
-                f"and finite (None: dropless), got {capacity_factor}"
-            )
-        self.top_k, self.router_kind = top_k, router
-        self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = Experts(hidden_size, ffn_hidden_size, num_experts, activation, bias)
-
-    @property
-    def num_experts(self) -> int:
-        return self.router.out_features
-
-    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For ``tokens`` ``[T, hidden]``: the chosen experts ``[T, k]``, their weights
-        ``[T, k]`` and every expert's probability ``[T, E]`` (for the aux loss), in at least fp32
-        (as Mixtral's router: near-ties in bf16 would pick experts by rounding)."""
-        logits = self.router(tokens)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if self.router_kind == "softmax":
-            probabilities = logits.softmax(-1)
-            scores = probabilities
-        else:
-            scores = logits.sigmoid()
-            probabilities = scores / scores.sum(-1, keepdim=True)
-        top, chosen = scores.topk(self.top_k, -1)
-        return chosen, top / top.sum(-1, keepdim=True), probabilities
+        self._check_options(self._take_options(args, kwargs))
+        self.router = nn.Linear(self.hidden_size, self.num_experts, bias=False)
+        self.experts = Experts(
+            self.hidden_size, self.ffn_hidden_size, self.num_experts, self.activation, self.bias
+        )
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = x.reshape(-1, x.shape[-1])
-        chosen, weights, probabilities = self.route(tokens)
-        count, e = tokens.shape[0], self.num_experts
-        kept = torch.ones_like(chosen, dtype=torch.bool)
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * count * self.top_k / e)
-            for i in range(e):
-                picks = (chosen == i).nonzero()  # in token order
-                kept[picks[capacity:, 0], picks[capacity:, 1]] = False
-        y = torch.zeros_like(tokens)
-        for i in range(e):
-            rows, slots = ((chosen == i) & kept).nonzero(as_tuple=True)
-            if rows.numel():
-                out = self.experts.expert(i, tokens[rows]) * weights[rows, slots, None]
-                y = y.index_add(0, rows, out.to(y.dtype))
-        share = torch.bincount(chosen.flatten(), minlength=e).to(probabilities.dtype)
-        share = share / (count * self.top_k)
-        aux = self.aux_loss_coef * e * (share * probabilities.mean(0)).sum()
-        return y.view_as(x), aux
+        e = self.experts
+        return torch.ops.torch_mp.moe(
+            x,
+            self.router.weight,
+            e.fc1_weight,
+            e.fc1_bias,
+            e.fc2_weight,
+            e.fc2_bias,
+            **self._operator_options(),
+        )

@@ -61,6 +61,15 @@ void bind_layer_declarations(py::module_& m) {
       py::arg("layer"),
       py::arg("options"),
       "Runs `layer`'s construction-time check on `options` (by name, groups by name).");
+  m.def(
+      "child_options",
+      [](const std::string& layer, const py::dict& options) {
+        return layer_named(layer).children(options);
+      },
+      py::arg("layer"),
+      py::arg("options"),
+      "The options of the layers `layer` is made of, by attribute, from its own `options` (by "
+      "name, groups by name).");
   m.def("declared_layers", [] {
     py::list names;
     for (const auto& [name, unused] : layer_bindings()) {

@@ -5,9 +5,13 @@
 //       -> [(name, kind, type, default), ...] in declaration order
 //   torch_mp._C.check_options("ParallelMLP", {"hidden_size": 8, ..., "group": "<name>"})
 //       the layer's construction-time check (sizes, agreement across ranks)
+//   torch_mp._C.child_options("ParallelMLP", {...})
+//       {"fc1": {...}, "fc2": {...}}: the options of the layers it is made of, as the C++
+//       module builds them (mlp.h: fc1_options, fc2_options)
 //
-// Each bindings file registers its layers with bind_layer<Options>(name, check); torch_mp's
-// Python modules derive their constructor, forward call and from_dense from the declaration.
+// Each bindings file registers its layers with bind_layer<Options>(name, check, children);
+// torch_mp's Python modules derive their constructor, forward call, from_dense and children
+// from the declaration.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -26,6 +30,8 @@ struct LayerBinding {
   std::vector<options::Declared> declared;
   /// Runs the layer's check on options given by name (groups by name).
   std::function<void(const pybind11::dict&)> check;
+  /// The options of each layer it is made of, by attribute, from its own options.
+  std::function<pybind11::dict(const pybind11::dict&)> children;
 };
 
 /// The registered layers, by the name of their module.
@@ -47,6 +53,22 @@ T option_from_python(const pybind11::handle& value) {
     return option_from_python<torch::ExpandingArray<2>>(value);
   } else {
     return value.cast<T>();
+  }
+}
+
+template <typename T>
+pybind11::object option_to_python(const T& value) {
+  if constexpr (std::is_same_v<T, GroupPtr>) {
+    return pybind11::str(value ? group_name(value) : std::string());
+  } else if constexpr (std::is_same_v<T, torch::ExpandingArray<2>>) {
+    return pybind11::make_tuple((*value)[0], (*value)[1]);
+  } else if constexpr (std::is_same_v<T, std::variant<torch::ExpandingArray<2>, std::string>>) {
+    const auto* name = std::get_if<std::string>(&value);
+    return name ? pybind11::str(*name) : option_to_python(std::get<0>(value));
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    return pybind11::tuple(pybind11::cast(value));
+  } else {
+    return pybind11::cast(value);
   }
 }
 
@@ -82,15 +104,50 @@ Options options_from_python(const pybind11::dict& given, const std::string& laye
   return result;
 }
 
-/// Registers layer `name`, whose options are `Options`, checked by `check`.
+/// `options` as a Python dict by name (groups by name, "" for none; pairs as tuples).
 template <typename Options>
-void bind_layer(const std::string& name, void (*check)(const Options&)) {
-  layer_bindings()[name] = {options::declaration<Options>(),
-                            [name, check](const pybind11::dict& d) {
-                              const Options given = options_from_python<Options>(d, name);
-                              pybind11::gil_scoped_release no_gil;  // the check communicates
-                              check(given);
-                            }};
+pybind11::dict options_to_python(const Options& options) {
+  pybind11::dict out;
+  Options::for_each_option(options, [&](const char* name, const auto& value, options::Kind) {
+    using T = std::decay_t<decltype(value)>;
+    out[name] = detail::option_to_python<T>(value);
+  });
+  return out;
+}
+
+/// One layer a layer is made of: the attribute that holds it and its options.
+template <typename Options>
+struct ChildBinding {
+  std::string attribute;
+  std::function<pybind11::dict(const Options&)> options;
+};
+
+/// The child at `attribute`, whose options `make` derives from its parent's.
+template <typename Options, typename ChildOptions>
+ChildBinding<Options> child(std::string attribute, ChildOptions (*make)(const Options&)) {
+  return {std::move(attribute), [make](const Options& o) { return options_to_python(make(o)); }};
+}
+
+/// Registers layer `name`, whose options are `Options`, checked by `check`, made of `children`.
+template <typename Options>
+void bind_layer(const std::string& name,
+                void (*check)(const Options&),
+                std::vector<ChildBinding<Options>> children = {}) {
+  auto& binding = layer_bindings()[name];
+  binding.declared = options::declaration<Options>();
+  binding.check = [name, check](const pybind11::dict& d) {
+    const Options given = options_from_python<Options>(d, name);
+    pybind11::gil_scoped_release no_gil;  // the check communicates
+    check(given);
+  };
+  binding.children = [name, children](const pybind11::dict& d) {
+    const Options given = options_from_python<Options>(d, name);
+    pybind11::dict out;
+    for (const auto& c : children) {
+      out[c.attribute.c_str()] = c.options(given);
+    }
+    return out;
+  };
 }
 
 /// Defines declared_options and check_options on `m` (bindings.cpp).

@@ -162,13 +162,25 @@ void bind_conv(py::module_& m) {
 }
 
 void bind_blocks(py::module_& m) {
-  bind_layer<tp::ParallelSelfAttentionOptions>("ParallelSelfAttention",
-                                               &tp::check_parallel_self_attention);
-  bind_layer<tp::ParallelMLPOptions>("ParallelMLP", &tp::check_parallel_mlp);
+  bind_layer<tp::ParallelSelfAttentionOptions>(
+      "ParallelSelfAttention",
+      &tp::check_parallel_self_attention,
+      {child("qkv", &tp::qkv_options), child("proj", &tp::proj_options)});
+  bind_layer<tp::ParallelMLPOptions>(
+      "ParallelMLP",
+      &tp::check_parallel_mlp,
+      {child("fc1", &tp::fc1_options), child("fc2", &tp::fc2_options)});
   bind_layer<tp::LayerNormOptions>("LayerNorm", &tp::check_layer_norm);
   bind_layer<tp::ParallelTransformerLayerOptions>("ParallelTransformerLayer",
-                                                  &tp::check_parallel_transformer_layer);
-  bind_layer<tp::ParallelConvBlockOptions>("ParallelConvBlock", &tp::check_parallel_conv_block);
+                                                  &tp::check_parallel_transformer_layer,
+                                                  {child("norm1", &tp::norm_options),
+                                                   child("self_attn", &tp::attention_options),
+                                                   child("norm2", &tp::norm_options),
+                                                   child("mlp", &tp::mlp_options)});
+  bind_layer<tp::ParallelConvBlockOptions>(
+      "ParallelConvBlock",
+      &tp::check_parallel_conv_block,
+      {child("conv1", &tp::conv1_options), child("conv2", &tp::conv2_options)});
   m.def("load_dense_qkv_",
         by_group_name(&tp::load_dense_qkv_),
         py::arg("weight"),

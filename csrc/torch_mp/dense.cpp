@@ -174,11 +174,16 @@ at::Tensor ExpertsImpl::expert(int64_t i, const at::Tensor& x) const {
                     activation);
 }
 
+void check_moe(const MoEOptions& o) {
+  moe::check_routing(o.num_experts(), o.top_k(), o.router(), o.capacity_factor());
+  moe::check_expert_activation(o.activation());
+}
+
 MoEImpl::MoEImpl(MoEOptions options_) : options(std::move(options_)) { reset(); }
 
 void MoEImpl::reset() {
   const auto& o = options;
-  moe::check_routing(o.num_experts(), o.top_k(), o.router(), o.capacity_factor());
+  check_moe(o);
   router = register_module(
       "router",
       torch::nn::Linear(torch::nn::LinearOptions(o.hidden_size(), o.num_experts()).bias(false)));

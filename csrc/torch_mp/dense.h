@@ -18,6 +18,8 @@
 #include <string>
 #include <tuple>
 
+#include "torch_mp/options.h"
+
 namespace torch_mp::dense {
 
 /// Options of MLP.
@@ -175,27 +177,36 @@ class ExpertsImpl : public torch::nn::Cloneable<ExpertsImpl> {
 };
 TORCH_MODULE(Experts);
 
+/// The options of a mixture of experts, declared once (torch_mp/options.h); the expert-parallel
+/// module's (moe/moe.h) add its group:
+/// - hidden_size, ffn_hidden_size: the experts' sizes; num_experts: how many;
+/// - top_k: experts per token;
+/// - activation: the experts': "gelu", "relu" or the gated "swiglu" (ExpertsImpl);
+/// - router: "softmax" (Mixtral's) or "sigmoid" (DeepSeek-V3's), each renormalised over the top
+///   k;
+/// - capacity_factor: none: dropless; else each expert takes at most
+///   ceil(capacity_factor * tokens * top_k / E) tokens, the first in token order;
+/// - aux_loss_coef: the load-balancing loss's coefficient;
+/// - bias: biases on the experts' projections.
+#define TORCH_MP_MOE_OPTIONS(REQUIRED, OPTION, KEYWORD)         \
+  REQUIRED(int64_t, hidden_size)                                \
+  REQUIRED(int64_t, ffn_hidden_size)                            \
+  REQUIRED(int64_t, num_experts)                                \
+  OPTION(int64_t, top_k, 2)                                     \
+  KEYWORD(std::string, activation, "gelu")                      \
+  KEYWORD(std::string, router, "softmax")                       \
+  KEYWORD(std::optional<double>, capacity_factor, std::nullopt) \
+  KEYWORD(double, aux_loss_coef, 0.01)                          \
+  KEYWORD(bool, bias, false)
+
 /// Options of MoE.
 struct MoEOptions {
-  MoEOptions(int64_t hidden_size, int64_t ffn_hidden_size, int64_t num_experts)
-      : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size), num_experts_(num_experts) {}
-  TORCH_ARG(int64_t, hidden_size);
-  TORCH_ARG(int64_t, ffn_hidden_size);
-  TORCH_ARG(int64_t, num_experts);
-  /// Experts per token.
-  TORCH_ARG(int64_t, top_k) = 2;
-  /// The experts' activation: "gelu", "relu" or the gated "swiglu" (ExpertsImpl).
-  TORCH_ARG(std::string, activation) = "gelu";
-  /// "softmax" (Mixtral's) or "sigmoid" (DeepSeek-V3's), each renormalised over the top k.
-  TORCH_ARG(std::string, router) = "softmax";
-  /// None: dropless; else each expert takes at most ceil(capacity_factor * tokens * top_k / E)
-  /// tokens, the first in token order.
-  TORCH_ARG(std::optional<double>, capacity_factor) = std::nullopt;
-  /// The load-balancing loss's coefficient.
-  TORCH_ARG(double, aux_loss_coef) = 0.01;
-  /// Biases on the experts' projections.
-  TORCH_ARG(bool, bias) = false;
+  TORCH_MP_OPTIONS(MoEOptions, TORCH_MP_MOE_OPTIONS)
 };
+
+/// Checks a one-process mixture of experts' options: the routing (moe/router.h) and the
+/// experts' activation.
+void check_moe(const MoEOptions& options);
 
 /// A mixture of experts on one process (torch_mp.dense.MoE's twin; its definitions are
 /// moe/router.h's): a linear router without bias picks each token's top-k experts, whose

@@ -309,6 +309,28 @@ std::string describe(const Options& options) {
   return out;
 }
 
+/// Options of type `To` holding `from`'s options of the same names (the others at their
+/// defaults; every required one of `To` must be among them): a layer's options handed to the
+/// layer it is built on, say.
+template <typename To, typename From>
+To same_named(const From& from) {
+  std::vector<std::pair<std::string, c10::IValue>> given;
+  From::for_each_option(from, [&](const char* name, const auto& value, Kind) {
+    given.emplace_back(name, OptionType<std::decay_t<decltype(value)>>::to(value));
+  });
+  To to = To::declared_defaults();
+  To::for_each_option(to, [&](const char* name, auto& value, Kind kind) {
+    for (const auto& [key, ivalue] : given) {
+      if (key == name) {
+        value = OptionType<std::decay_t<decltype(value)>>::from(ivalue);
+        return;
+      }
+    }
+    TORCH_CHECK(kind != Kind::kRequired, "same_named: no option '", name, "' to take");
+  });
+  return to;
+}
+
 // ---- the operator ------------------------------------------------------------------------------
 
 namespace detail {
@@ -329,7 +351,11 @@ struct BoxedLayerKernel<kernel> {
     const c10::IValue* first = stack->data() + (stack->size() - n);
     Result result = invoke(first, std::make_index_sequence<kHead>{});
     torch::jit::drop(*stack, n);
-    torch::jit::push(*stack, std::move(result));
+    if constexpr (std::is_same_v<Result, at::Tensor>) {
+      torch::jit::push(*stack, std::move(result));
+    } else {  // a tuple of tensors: one return each
+      std::apply([&](auto&... r) { (torch::jit::push(*stack, std::move(r)), ...); }, result);
+    }
   }
 
   template <size_t... I>
@@ -352,14 +378,17 @@ struct BoxedLayerKernel<kernel> {
 
 /// Registers an operator whose schema is `head` (its name and leading arguments, without the
 /// return: "parallel_mlp(Tensor x, Tensor fc1_weight, ...)") followed by the kernel's Options'
-/// declared options as keyword-only arguments, returning a Tensor, and `kernel` (leading
-/// arguments, then the Options) as its composite implementation.
+/// declared options as keyword-only arguments, returning `returns` (the kernel's result: a
+/// Tensor or a tuple of them), and `kernel` (leading arguments, then the Options) as its
+/// composite implementation.
 template <auto kernel>
-void def_layer_operator(torch::Library& m, const std::string& head) {
+void def_layer_operator(torch::Library& m,
+                        const std::string& head,
+                        const std::string& returns = "Tensor") {
   using Kernel = detail::BoxedLayerKernel<kernel>;
   TORCH_CHECK(!head.empty() && head.back() == ')', "def_layer_operator: bad head ", head);
   const std::string schema = head.substr(0, head.size() - 1) + ", *, " +
-                             schema_arguments<typename Kernel::Options>() + ") -> Tensor";
+                             schema_arguments<typename Kernel::Options>() + ") -> " + returns;
   m.def(schema.c_str(), torch::CppFunction::makeFromBoxedFunction<&Kernel::call>());
 }
 

@@ -213,7 +213,7 @@ TEST(ExpertParallel, BadSettingsRaiseOnEveryRank) {
       [](const Mesh& mesh) {
         MoE(dense::MoEOptions(kHidden, kFfn, kExperts).top_k(1 + mesh.ep_rank()), mesh.ep_group);
       });
-  testing::expect_every_rank_raised(disagree, "MoE configuration [hidden_size");
+  testing::expect_every_rank_raised(disagree, "MoE configuration must be the same");
   const auto wider = testing::run_on_mesh_collecting_errors(
       2,
       [](int) { return testing::test_options(1).ep(2); },

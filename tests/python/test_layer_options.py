@@ -27,6 +27,8 @@ LAYERS = {
     torch_mp.ParallelMLP: "parallel_mlp",
     torch_mp.ParallelTransformerLayer: "parallel_transformer_layer",
     torch_mp.ParallelConvBlock: None,
+    torch_mp.moe.MoE: "moe",
+    torch_mp.dense.MoE: "moe",
 }
 
 
@@ -41,6 +43,7 @@ def test_every_layer_module_is_one_the_core_declares():
     layers = {m for m in modules if isinstance(m, type) and issubclass(m, nn.Module)}
     # A BatchNorm2d over this rank's channels: nn.BatchNorm2d's own options and a group.
     layers.discard(torch_mp.tensor_parallel.ChannelParallelBatchNorm2d)
+    layers |= {torch_mp.moe.MoE, torch_mp.dense.MoE}
     assert layers == set(LAYERS)
     assert sorted(_C.declared_layers()) == sorted(cls._declaration.name for cls in LAYERS)
 
@@ -72,6 +75,9 @@ def test_the_constructor_takes_what_the_operator_schema_takes(cls):
     schema = getattr(torch.ops.torch_mp, LAYERS[cls]).default._schema
     keyword = [a for a in schema.arguments if a.kwarg_only]
     parameters = _constructor_options(cls)
+    if cls is torch_mp.dense.MoE:  # the operator's group: "" for every expert on this process
+        assert keyword[-1].name == "group" and keyword[-1].default_value == ""
+        keyword = keyword[:-1]
     assert [a.name for a in keyword] == [p.name for p in parameters]
     groups = cls._declaration.groups
     for a, p in zip(keyword, parameters, strict=True):

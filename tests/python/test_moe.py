@@ -110,7 +110,7 @@ def test_the_local_experts_run_as_one_grouped_product_where_it_fits(bias):
     with torch.profiler.profile() as profile:
         y, _ = torch.ops.torch_mp.moe(
             x, moe.router.weight, e.fc1_weight, e.fc1_bias, e.fc2_weight, e.fc2_bias,
-            2, "gelu", "softmax", None, 0.01, "",
+            hidden_size=HIDDEN, ffn_hidden_size=FFN, num_experts=EXPERTS, bias=bias,
         )  # fmt: skip
     grouped = any(event.name == "aten::_grouped_mm" for event in profile.events())
     assert grouped == (not bias)
@@ -129,7 +129,7 @@ def test_an_expert_given_no_tokens_gets_a_zero_gradient(bias):
     e = moe.experts
     y, _ = torch.ops.torch_mp.moe(
         x, moe.router.weight, e.fc1_weight, e.fc1_bias, e.fc2_weight, e.fc2_bias,
-        2, "gelu", "softmax", None, 0.01, "",
+        hidden_size=HIDDEN, ffn_hidden_size=FFN, num_experts=EXPERTS, bias=bias,
     )  # fmt: skip
     y.square().sum().backward()
     for grad in (e.fc1_weight.grad, e.fc2_weight.grad):
@@ -225,11 +225,12 @@ def test_bad_settings_raise_on_every_rank():
         assert "capacity_factor must be positive (a capacity of zero" in errors["capacity"]
         assert "top_k must be in [1, num_experts = 4], got 5" in errors["top_k"]
         assert "router must be 'softmax' or 'sigmoid', got 'relu'" in errors["router"]
-        assert "MoE configuration [hidden_size" in errors["disagree"]
+        assert "MoE configuration must be the same" in errors["disagree"]
+        assert "top_k (here " in errors["disagree"] and "by rank [1, 2]" in errors["disagree"]
         assert "pass different hidden sizes" in errors["hidden"]
         assert "4 experts with biases, this one 4 without" in errors["bias"]
         assert "and finite (None: dropless)" in errors["infinite capacity"]
-        assert "bias, activation]" in errors["activation"]
+        assert "activation (here " in errors["activation"]
 
 
 def _data_parallel(ep: int) -> None:

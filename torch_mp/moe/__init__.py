@@ -15,13 +15,14 @@ from torch import nn
 from torch_mp import _C
 from torch_mp import dense as dense_modules
 from torch_mp._group import SharesGroup
+from torch_mp._options import DeclaredOptions
 from torch_mp.layout import set_layout
 from torch_mp.mesh import get_mesh
 
 __all__ = ["MoE"]
 
 
-class MoE(SharesGroup, nn.Module):
+class MoE(DeclaredOptions, SharesGroup, nn.Module, declared="MoE"):
     """A mixture of experts with the experts split over the expert group.
 
     The arguments of :class:`torch_mp.dense.MoE`, and ``group``. Rank e of the group holds
@@ -38,7 +39,7 @@ class MoE(SharesGroup, nn.Module):
     mirrors it. A collective over the group: every rank must call it, with its own tokens (any
     number of them; with none, the aux loss is NaN, as the dense module's is).
 
-    Args:
+    Args (the options the C++ core declares, csrc/torch_mp/moe/moe.h):
         hidden_size, ffn_hidden_size, num_experts, top_k, activation, router,
             capacity_factor, aux_loss_coef, bias: As in :class:`torch_mp.dense.MoE`.
         group: The expert group; the default mesh's ``ep_group`` when None.
@@ -51,44 +52,24 @@ class MoE(SharesGroup, nn.Module):
             if the ranks pass different hidden sizes.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        num_experts: int,
-        top_k: int = 2,
-        *,
-        activation: str = "gelu",
-        router: str = "softmax",
-        capacity_factor: float | None = None,
-        aux_loss_coef: float = 0.01,
-        bias: bool = False,
-        group: dist.ProcessGroup | None = None,
-        device=None,
-        dtype=None,
-    ) -> None:
+    # The option ``router`` names the routing; the attribute ``router`` is the linear router.
+    _ATTRIBUTES = {"router": "router_kind"}
+
+    def __init__(self, *args, device=None, dtype=None, **kwargs) -> None:
         super().__init__()
-        self.group = group if group is not None else get_mesh().ep_group
-        _C.moe.check_moe(
-            hidden_size,
-            ffn_hidden_size,
-            num_experts,
-            top_k,
-            activation,
-            router,
-            capacity_factor,
-            aux_loss_coef,
-            bias,
-            self.group.group_name,
+        o = self._take_options(
+            args, kwargs, group=lambda g: g if g is not None else get_mesh().ep_group
         )
-        self.top_k, self.router_kind = top_k, router
-        self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
+        self._check_options(o)
         self.ep_size = dist.get_world_size(self.group)
-        self.router = nn.Linear(hidden_size, num_experts, bias=False, device="meta")
-        local = num_experts // self.ep_size
+        self.router = nn.Linear(self.hidden_size, self.num_experts, bias=False, device="meta")
         with torch.device("meta"):
             self.experts = dense_modules.Experts(
-                hidden_size, ffn_hidden_size, local, activation, bias
+                self.hidden_size,
+                self.ffn_hidden_size,
+                self.num_experts // self.ep_size,
+                self.activation,
+                self.bias,
             )
         if device is not None and torch.device(device).type == "meta":
             self._register_layouts()
@@ -98,18 +79,15 @@ class MoE(SharesGroup, nn.Module):
             self.to(dtype=dtype)
         self.reset_parameters()
 
-    @property
-    def num_experts(self) -> int:
-        return self.router.weight.shape[0]
-
     def _register_layouts(self) -> None:
         set_layout(self.router.weight, None, self.group)
         for parameter in self.experts.parameters():  # this rank's experts
             set_layout(parameter, 0, self.group)
 
     def _dense(self, device=None) -> dense_modules.MoE:
-        args, kwargs = _arguments(self)
-        return dense_modules.MoE(*args, **kwargs).to(device=device)
+        options = self.options()
+        del options["group"]
+        return dense_modules.MoE(**options, device=device)
 
     def reset_parameters(self) -> None:
         """Draws a :class:`torch_mp.dense.MoE` with these arguments and keeps this rank's
@@ -125,12 +103,11 @@ class MoE(SharesGroup, nn.Module):
                 f"{('without', 'with')[bias[0]]} biases, this one {self.num_experts} "
                 f"{('without', 'with')[bias[1]]}"
             )
-        rank, local = dist.get_rank(self.group), self.experts.num_experts
         with torch.no_grad():
             self.router.weight.copy_(dense.router.weight)
             mine = dict(self.experts.named_parameters())
             for name, value in dense.experts.named_parameters():
-                mine[name].copy_(value[rank * local : (rank + 1) * local])
+                mine[name].copy_(_C.shard(value, 0, self.group.group_name))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         experts = self.experts
@@ -141,20 +118,15 @@ class MoE(SharesGroup, nn.Module):
             experts.fc1_bias,
             experts.fc2_weight,
             experts.fc2_bias,
-            self.top_k,
-            experts.activation,
-            self.router_kind,
-            self.capacity_factor,
-            self.aux_loss_coef,
-            self.group.group_name,
+            **self._operator_options(),
         )
 
     @classmethod
-    def from_dense(cls, dense: dense_modules.MoE, group: dist.ProcessGroup | None = None) -> MoE:
-        """Shards ``dense`` (device and dtype kept, no random draws); a collective only in
-        that it checks the configuration over the group."""
-        args, kwargs = _arguments(dense)
-        layer = cls(*args, **kwargs, group=group, device="meta")
+    def from_dense(cls, dense: dense_modules.MoE, *args, **kwargs) -> MoE:
+        """Shards ``dense`` (device and dtype kept, no random draws); ``group`` (by position or
+        keyword) as the constructor's. A collective only in that it checks the configuration
+        over the group."""
+        layer = cls._from_dense(dense, args, kwargs, dense.options())
         weight = dense.router.weight
         layer.to_empty(device=weight.device)
         layer.to(dtype=weight.dtype)
@@ -172,22 +144,5 @@ class MoE(SharesGroup, nn.Module):
             dense.router.weight.copy_(weight)
             theirs = dict(dense.experts.named_parameters())
             for name, value in self.experts.named_parameters():
-                parts = [torch.empty_like(value) for _ in range(self.ep_size)]
-                dist.all_gather(parts, value.detach().contiguous(), group=self.group)
-                theirs[name].copy_(torch.cat(parts))
+                theirs[name].copy_(_C.unshard(value.detach(), 0, self.group.group_name))
         return dense
-
-
-def _arguments(moe: nn.Module) -> tuple[tuple, dict]:
-    """The constructor arguments of ``moe`` (a :class:`MoE` or :class:`torch_mp.dense.MoE`;
-    they hold their settings alike)."""
-    experts = moe.experts
-    args = (experts.fc2_weight.shape[1], experts.fc2_weight.shape[2], moe.num_experts, moe.top_k)
-    kwargs = {
-        "activation": experts.activation,
-        "router": moe.router_kind,
-        "capacity_factor": moe.capacity_factor,
-        "aux_loss_coef": moe.aux_loss_coef,
-        "bias": experts.fc1_bias is not None,
-    }
-    return args, kwargs

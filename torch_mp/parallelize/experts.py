@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from torch_mp import _C
 from torch_mp import dense as dense_modules
 from torch_mp.moe import MoE
 from torch_mp.parallelize.styles import ParallelStyle
@@ -61,8 +62,7 @@ class _SparseMoeBlock(MoE):
 
     def load_dense(self, block: nn.Module) -> None:
         """Copies ``block``'s gate and this rank's experts into the parameters."""
-        rank, local = dist.get_rank(self.group), self.experts.num_experts
-        mine = slice(rank * local, (rank + 1) * local)
+        local = self.experts.num_experts
         shapes = (tuple(block.experts.gate_up_proj.shape), tuple(block.experts.down_proj.shape))
         want = (
             (local * self.ep_size, *self.experts.fc1_weight.shape[1:]),
@@ -75,8 +75,9 @@ class _SparseMoeBlock(MoE):
             )
         with torch.no_grad():
             self.router.weight.copy_(block.gate.weight)
-            self.experts.fc1_weight.copy_(block.experts.gate_up_proj[mine])
-            self.experts.fc2_weight.copy_(block.experts.down_proj[mine])
+            name = self.group.group_name
+            self.experts.fc1_weight.copy_(_C.shard(block.experts.gate_up_proj, 0, name))
+            self.experts.fc2_weight.copy_(_C.shard(block.experts.down_proj, 0, name))
 
     def to_dense(self) -> nn.Module:
         """The block, every expert gathered onto every rank (a collective)."""

@@ -6,17 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
-
-
-def column_row_pair(
-    column: tuple[int, int], row: tuple[int, int], bias: bool, sequence_parallel: bool, group
-) -> tuple[ColumnParallelLinear, RowParallelLinear]:
-    """A column layer and a row layer (input split, as a column layer leaves it) of the given
-    (in, out) sizes, built on the meta device for the caller to fill."""
-    common = {"sequence_parallel": sequence_parallel, "group": group, "device": "meta"}
-    return ColumnParallelLinear(*column, bias, **common), RowParallelLinear(*row, bias, **common)
-
 
 def materialise(module: nn.Module, device, dtype) -> None:
     """Gives a module built on the meta device real storage and initialises it (unless the caller

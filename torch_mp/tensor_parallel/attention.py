@@ -19,7 +19,8 @@ from torch_mp._group import SharesGroup
 from torch_mp._options import DeclaredOptions
 from torch_mp.context_parallel.sharding import _context_group
 from torch_mp.mesh import tp_group_or_default
-from torch_mp.tensor_parallel._shell import column_row_pair, empty_like_dense, materialise
+from torch_mp.tensor_parallel._shell import empty_like_dense, materialise
+from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelSelfAttention(
@@ -72,13 +73,9 @@ class ParallelSelfAttention(
             self.context_group = o["context_group"] = _context_group(self.context_group)
         self.tp_size = dist.get_world_size(self.group)
         self._check_options(o)
-        self.qkv, self.proj = column_row_pair(
-            (self.hidden_size, 3 * self.hidden_size),
-            (self.hidden_size, self.hidden_size),
-            self.bias,
-            self.sequence_parallel,
-            self.group,
-        )
+        children = self._children(qkv=ColumnParallelLinear, proj=RowParallelLinear)
+        self.qkv = ColumnParallelLinear(**children["qkv"], device="meta")
+        self.proj = RowParallelLinear(**children["proj"], device="meta")
         self.qkv._layout_parts = 3  # this rank's rows of Q, of K and of V
         materialise(self, device, dtype)
 

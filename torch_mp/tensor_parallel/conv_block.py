@@ -122,14 +122,12 @@ class ParallelConvBlock(DeclaredOptions, SharesGroup, nn.Module, declared="Paral
         super().__init__()
         o = self._take_options(args, kwargs, group=tp_group_or_default)
         self._check_options(o)
-        padding = self.kernel_size // 2 if self.padding is None else self.padding
-        conv = {"padding": padding, "bias": self.bias, "group": self.group, "device": "meta"}
-        k = self.kernel_size
-        self.conv1 = ColumnParallelConv2d(self.in_channels, self.mid_channels, k, **conv)
+        children = self._children(conv1=ColumnParallelConv2d, conv2=RowParallelConv2d)
+        self.conv1 = ColumnParallelConv2d(**children["conv1"], device="meta")
         self.norm = ChannelParallelBatchNorm2d(
             self.mid_channels // dist.get_world_size(self.group), self.group, device="meta"
         )
-        self.conv2 = RowParallelConv2d(self.mid_channels, self.out_channels, k, **conv)
+        self.conv2 = RowParallelConv2d(**children["conv2"], device="meta")
         materialise(self, device, dtype)
 
     def reset_parameters(self) -> None:

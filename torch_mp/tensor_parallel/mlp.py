@@ -11,7 +11,8 @@ from torch_mp._group import SharesGroup
 from torch_mp._options import DeclaredOptions
 from torch_mp.dense import MLP
 from torch_mp.mesh import tp_group_or_default
-from torch_mp.tensor_parallel._shell import column_row_pair, empty_like_dense, materialise
+from torch_mp.tensor_parallel._shell import empty_like_dense, materialise
+from torch_mp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelMLP(DeclaredOptions, SharesGroup, nn.Module, declared="ParallelMLP"):
@@ -32,13 +33,9 @@ class ParallelMLP(DeclaredOptions, SharesGroup, nn.Module, declared="ParallelMLP
         super().__init__()
         o = self._take_options(args, kwargs, group=tp_group_or_default)
         self._check_options(o)
-        self.fc1, self.fc2 = column_row_pair(
-            (o["hidden_size"], o["ffn_hidden_size"]),
-            (o["ffn_hidden_size"], o["hidden_size"]),
-            o["bias"],
-            o["sequence_parallel"],
-            self.group,
-        )
+        children = self._children(fc1=ColumnParallelLinear, fc2=RowParallelLinear)
+        self.fc1 = ColumnParallelLinear(**children["fc1"], device="meta")
+        self.fc2 = RowParallelLinear(**children["fc2"], device="meta")
         materialise(self, device, dtype)
 
     def reset_parameters(self) -> None:

@@ -66,19 +66,13 @@ class ParallelTransformerLayer(
             self.context_group = _context_group(self.context_group)
         # What the attention and MLP do not check themselves.
         self._check_options(self.options())
-        meta = {"device": "meta"}
-        norm = self._child_options(
-            LayerNorm, normalized_shape=self.hidden_size, eps=self.layer_norm_eps
+        children = self._children(
+            norm1=LayerNorm, self_attn=ParallelSelfAttention, norm2=LayerNorm, mlp=ParallelMLP
         )
-        self.norm1 = LayerNorm(**norm, **meta)
-        self.self_attn = ParallelSelfAttention(
-            **self._child_options(
-                ParallelSelfAttention, recompute_core=self.recompute == "selective"
-            ),
-            **meta,
-        )
-        self.norm2 = LayerNorm(**norm, **meta)
-        self.mlp = ParallelMLP(**self._child_options(ParallelMLP), **meta)
+        self.norm1 = LayerNorm(**children["norm1"], device="meta")
+        self.self_attn = ParallelSelfAttention(**children["self_attn"], device="meta")
+        self.norm2 = LayerNorm(**children["norm2"], device="meta")
+        self.mlp = ParallelMLP(**children["mlp"], device="meta")
         materialise(self, device, dtype)
 
     def _dense_layer(self, device=None) -> nn.TransformerEncoderLayer:

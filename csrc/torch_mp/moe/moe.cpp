@@ -15,6 +15,7 @@
 #include "torch_mp/moe/dispatch.h"
 #include "torch_mp/moe/experts.h"
 #include "torch_mp/moe/router.h"
+#include "torch_mp/operator_options.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::moe {
@@ -81,27 +82,9 @@ std::vector<int64_t> as_vector(const at::Tensor& t) {
 }  // namespace
 
 void check_moe(const dense::MoEOptions& o, const GroupPtr& group) {
-  const std::vector<std::string> routers{"softmax", "sigmoid"},
-      activations{"gelu", "relu", "swiglu"};
-  const auto router = std::find(routers.begin(), routers.end(), o.router()) - routers.begin();
-  const auto activation =
-      std::find(activations.begin(), activations.end(), o.activation()) - activations.begin();
   // Agreement first: a check that fails on one rank only would leave the others waiting.
   if (group) {
-    comm::check_same_across_ranks(
-        {o.hidden_size(),
-         o.ffn_hidden_size(),
-         o.num_experts(),
-         o.top_k(),
-         router,
-         o.capacity_factor().has_value(),
-         comm::bits(o.capacity_factor().value_or(0.0)),
-         comm::bits(o.aux_loss_coef()),
-         o.bias(),
-         activation},
-        group,
-        "MoE configuration [hidden_size, ffn_hidden_size, num_experts, top_k, router, "
-        "capacity, capacity_factor (bits), aux_loss_coef (bits), bias, activation]");
+    options::check_same_options(o, group, "MoE");
   }
   check_routing(o.num_experts(), o.top_k(), o.router(), o.capacity_factor());
   check_expert_activation(o.activation());
@@ -217,6 +200,10 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
   return {y.view(x.sizes()), load_balancing_loss(r, o.aux_loss_coef())};
 }
 
+void check_moe(const MoEOptions& o) {
+  check_moe(options::same_named<dense::MoEOptions>(o), o.group());
+}
+
 // ---- MoE --------------------------------------------------------------------------------------
 
 MoEImpl::MoEImpl(dense::MoEOptions options_, GroupPtr group_, bool initialise)
@@ -328,34 +315,28 @@ std::tuple<at::Tensor, at::Tensor> moe_op(const at::Tensor& x,
                                           const std::optional<at::Tensor>& fc1_bias,
                                           const at::Tensor& fc2_weight,
                                           const std::optional<at::Tensor>& fc2_bias,
-                                          int64_t top_k,
-                                          c10::string_view activation,
-                                          c10::string_view router,
-                                          std::optional<double> capacity_factor,
-                                          double aux_loss_coef,
-                                          c10::string_view group) {
-  const auto options =
-      dense::MoEOptions(router_weight.size(1), fc2_weight.size(2), router_weight.size(0))
-          .top_k(top_k)
-          .activation(std::string(activation))
-          .router(std::string(router))
-          .capacity_factor(capacity_factor)
-          .aux_loss_coef(aux_loss_coef)
-          .bias(fc1_bias.has_value());
+                                          const MoEOptions& o) {
+  TORCH_CHECK(router_weight.dim() == 2 && router_weight.size(0) == o.num_experts() &&
+                  router_weight.size(1) == o.hidden_size() && o.bias() == fc1_bias.has_value(),
+              "moe: the router's weight ",
+              router_weight.sizes(),
+              " or the experts' biases do not fit the options (",
+              options::describe(o),
+              ")");
   return moe_forward(x,
                      {router_weight, fc1_weight, fc1_bias, fc2_weight, fc2_bias},
-                     options,
-                     group_named_or_none(group));
+                     options::same_named<dense::MoEOptions>(o),
+                     o.group());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
-  m.def(
+  options::def_layer_operator<&moe_op>(
+      m,
       "moe(Tensor x, Tensor router_weight, Tensor fc1_weight, Tensor? fc1_bias, "
-      "Tensor fc2_weight, Tensor? fc2_bias, int top_k, str activation, str router, "
-      "float? capacity_factor, float aux_loss_coef, str group) -> (Tensor, Tensor)",
-      &moe_op);
+      "Tensor fc2_weight, Tensor? fc2_bias)",
+      "(Tensor, Tensor)");
 }
 
 }  // namespace torch_mp::moe

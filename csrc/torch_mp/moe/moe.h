@@ -15,10 +15,9 @@
 // The backward mirrors it (the all-to-alls' backwards are all-to-alls the other way). aux_loss
 // is the load-balancing loss of this rank's tokens, as the dense module computes it on them.
 //
-// The forward is also the operator torch.ops.torch_mp.moe (what the Python module calls):
+// The forward is also the operator torch.ops.torch_mp.moe (what the Python modules call):
 //   moe(Tensor x, Tensor router_weight, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight,
-//       Tensor? fc2_bias, int top_k, str activation, str router, float? capacity_factor,
-//       float aux_loss_coef, str group) -> (Tensor, Tensor)
+//       Tensor? fc2_bias, *, <the declared MoEOptions below>) -> (Tensor, Tensor)
 // with group "" for all experts on this rank (the dense module).
 
 #include <ATen/core/Tensor.h>
@@ -55,9 +54,22 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
                                                const dense::MoEOptions& options,
                                                const GroupPtr& group);
 
+/// The options of the expert-parallel mixture of experts, declared once (torch_mp/options.h):
+/// the dense module's (dense.h) and the expert group (the default mesh's ep_group when null).
+#define TORCH_MP_EXPERT_PARALLEL_MOE_OPTIONS(REQUIRED, OPTION, KEYWORD) \
+  TORCH_MP_MOE_OPTIONS(REQUIRED, OPTION, KEYWORD)                       \
+  KEYWORD(GroupPtr, group, {})
+
+/// Options of the expert-parallel MoE (those of its operator, torch.ops.torch_mp.moe).
+struct MoEOptions {
+  TORCH_MP_OPTIONS(MoEOptions, TORCH_MP_EXPERT_PARALLEL_MOE_OPTIONS)
+};
+
 /// Checks a mixture of experts' configuration: the routing (router.h), the group size dividing
-/// num_experts, and the same configuration on every rank of the group (floats by their bits).
+/// num_experts, and the same configuration on every rank of the group.
 void check_moe(const dense::MoEOptions& options, const GroupPtr& group);
+/// The same for options that name their group (options.group(); none: one process).
+void check_moe(const MoEOptions& options);
 
 class MoE;
 

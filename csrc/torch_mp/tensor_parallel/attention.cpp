@@ -237,6 +237,20 @@ at::Tensor parallel_self_attention(const at::Tensor& x,
       context, p.proj_weight, p.proj_bias, o.hidden_size(), true, o.sequence_parallel(), group);
 }
 
+ColumnParallelLinearOptions qkv_options(const ParallelSelfAttentionOptions& o) {
+  return ColumnParallelLinearOptions(o.hidden_size(), 3 * o.hidden_size())
+      .bias(o.bias())
+      .sequence_parallel(o.sequence_parallel())
+      .group(o.group());
+}
+
+RowParallelLinearOptions proj_options(const ParallelSelfAttentionOptions& o) {
+  return RowParallelLinearOptions(o.hidden_size(), o.hidden_size())
+      .bias(o.bias())
+      .sequence_parallel(o.sequence_parallel())
+      .group(o.group());
+}
+
 // ---- ParallelSelfAttention --------------------------------------------------------------------
 
 ParallelSelfAttentionImpl::ParallelSelfAttentionImpl(ParallelSelfAttentionOptions options_,
@@ -252,18 +266,8 @@ void ParallelSelfAttentionImpl::reset() {
   }
   const auto& o = options;
   check_parallel_self_attention(o);
-  qkv = register_module("qkv",
-                        ColumnParallelLinearImpl::uninitialised(
-                            ColumnParallelLinearOptions(o.hidden_size(), 3 * o.hidden_size())
-                                .bias(o.bias())
-                                .sequence_parallel(o.sequence_parallel())
-                                .group(o.group())));
-  proj = register_module("proj",
-                         RowParallelLinearImpl::uninitialised(
-                             RowParallelLinearOptions(o.hidden_size(), o.hidden_size())
-                                 .bias(o.bias())
-                                 .sequence_parallel(o.sequence_parallel())
-                                 .group(o.group())));
+  qkv = register_module("qkv", ColumnParallelLinearImpl::uninitialised(qkv_options(o)));
+  proj = register_module("proj", RowParallelLinearImpl::uninitialised(proj_options(o)));
   register_layouts();
   if (initialise_) {
     reset_parameters();

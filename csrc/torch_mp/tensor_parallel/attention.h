@@ -117,6 +117,11 @@ struct ParallelSelfAttentionOptions {
 /// be set, and options.context_group() with context_parallel.
 void check_parallel_self_attention(const ParallelSelfAttentionOptions& options);
 
+/// The options of an attention's Q/K/V projection (hidden -> 3 hidden, column-parallel) and
+/// output projection (hidden -> hidden, row-parallel).
+ColumnParallelLinearOptions qkv_options(const ParallelSelfAttentionOptions& options);
+RowParallelLinearOptions proj_options(const ParallelSelfAttentionOptions& options);
+
 /// This rank's parameters of a self-attention: the QKV projection's [3h/t, h] weight (and
 /// [3h/t] bias) and the output projection's [h, h/t] weight (and whole [h] bias).
 struct AttentionParameters {

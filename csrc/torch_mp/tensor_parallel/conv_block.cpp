@@ -22,6 +22,22 @@ void check_parallel_conv_block(const ParallelConvBlockOptions& o) {
   divide(o.mid_channels(), o.group()->getSize(), "ParallelConvBlock: mid_channels");
 }
 
+ColumnParallelConv2dOptions conv1_options(const ParallelConvBlockOptions& o) {
+  const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
+  return ColumnParallelConv2dOptions(o.in_channels(), o.mid_channels(), o.kernel_size())
+      .padding(torch::ExpandingArray<2>(padding))
+      .bias(o.bias())
+      .group(o.group());
+}
+
+RowParallelConv2dOptions conv2_options(const ParallelConvBlockOptions& o) {
+  const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
+  return RowParallelConv2dOptions(o.mid_channels(), o.out_channels(), o.kernel_size())
+      .padding(torch::ExpandingArray<2>(padding))
+      .bias(o.bias())
+      .group(o.group());
+}
+
 void load_dense_batch_norm_(torch::nn::BatchNorm2d& local,
                             const torch::nn::BatchNorm2d& dense,
                             const GroupPtr& group) {
@@ -66,21 +82,10 @@ std::shared_ptr<torch::nn::Module> ParallelConvBlockImpl::clone(
 void ParallelConvBlockImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
-  const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
   check_parallel_conv_block(o);
-  const auto conv1_options =
-      ColumnParallelConv2dOptions(o.in_channels(), o.mid_channels(), o.kernel_size())
-          .padding(torch::ExpandingArray<2>(padding))
-          .bias(o.bias())
-          .group(o.group());
-  const auto conv2_options =
-      RowParallelConv2dOptions(o.mid_channels(), o.out_channels(), o.kernel_size())
-          .padding(torch::ExpandingArray<2>(padding))
-          .bias(o.bias())
-          .group(o.group());
-  conv1 = register_module("conv1", ColumnParallelConv2dImpl::uninitialised(conv1_options));
+  conv1 = register_module("conv1", ColumnParallelConv2dImpl::uninitialised(conv1_options(o)));
   norm = register_module("norm", torch::nn::BatchNorm2d(o.mid_channels() / o.group()->getSize()));
-  conv2 = register_module("conv2", RowParallelConv2dImpl::uninitialised(conv2_options));
+  conv2 = register_module("conv2", RowParallelConv2dImpl::uninitialised(conv2_options(o)));
   register_layouts();
   if (initialise_) {
     reset_parameters();

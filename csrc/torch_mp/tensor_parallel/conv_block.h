@@ -57,6 +57,11 @@ struct ParallelConvBlockOptions {
 /// of options.group() (which must be set), and the same options on every rank.
 void check_parallel_conv_block(const ParallelConvBlockOptions& options);
 
+/// The options of a block's convolutions: conv1 (in -> mid, column-parallel) and conv2 (mid ->
+/// out, row-parallel), both with the block's kernel, padding and bias.
+ColumnParallelConv2dOptions conv1_options(const ParallelConvBlockOptions& options);
+RowParallelConv2dOptions conv2_options(const ParallelConvBlockOptions& options);
+
 class ParallelConvBlock;
 
 /// Conv2d (output channels split) -> BatchNorm2d (this rank's channels) -> ReLU -> Conv2d

@@ -38,6 +38,20 @@ at::Tensor parallel_mlp(const at::Tensor& x,
                              group);
 }
 
+ColumnParallelLinearOptions fc1_options(const ParallelMLPOptions& o) {
+  return ColumnParallelLinearOptions(o.hidden_size(), o.ffn_hidden_size())
+      .bias(o.bias())
+      .sequence_parallel(o.sequence_parallel())
+      .group(o.group());
+}
+
+RowParallelLinearOptions fc2_options(const ParallelMLPOptions& o) {
+  return RowParallelLinearOptions(o.ffn_hidden_size(), o.hidden_size())
+      .bias(o.bias())
+      .sequence_parallel(o.sequence_parallel())
+      .group(o.group());
+}
+
 // ---- ParallelMLP ------------------------------------------------------------------------------
 
 ParallelMLPImpl::ParallelMLPImpl(ParallelMLPOptions options_, bool initialise)
@@ -49,18 +63,8 @@ void ParallelMLPImpl::reset() {
   options.group(tp_group_or_default(options.group()));
   const auto& o = options;
   check_parallel_mlp(o);
-  fc1 = register_module("fc1",
-                        ColumnParallelLinearImpl::uninitialised(
-                            ColumnParallelLinearOptions(o.hidden_size(), o.ffn_hidden_size())
-                                .bias(o.bias())
-                                .sequence_parallel(o.sequence_parallel())
-                                .group(o.group())));
-  fc2 = register_module("fc2",
-                        RowParallelLinearImpl::uninitialised(
-                            RowParallelLinearOptions(o.ffn_hidden_size(), o.hidden_size())
-                                .bias(o.bias())
-                                .sequence_parallel(o.sequence_parallel())
-                                .group(o.group())));
+  fc1 = register_module("fc1", ColumnParallelLinearImpl::uninitialised(fc1_options(o)));
+  fc2 = register_module("fc2", RowParallelLinearImpl::uninitialised(fc2_options(o)));
   if (initialise_) {
     reset_parameters();
   }

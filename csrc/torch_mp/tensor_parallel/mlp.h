@@ -48,6 +48,11 @@ struct ParallelMLPOptions {
 /// by the group size (options.group(), which must be set), and the same options on every rank.
 void check_parallel_mlp(const ParallelMLPOptions& options);
 
+/// The options of an MLP's first layer (hidden -> ffn, column-parallel) and second layer
+/// (ffn -> hidden, row-parallel).
+ColumnParallelLinearOptions fc1_options(const ParallelMLPOptions& options);
+RowParallelLinearOptions fc2_options(const ParallelMLPOptions& options);
+
 /// This rank's parameters of an MLP: fc1's [ffn/t, h] weight (and [ffn/t] bias), fc2's
 /// [h, ffn/t] weight (and whole [h] bias).
 struct MLPParameters {

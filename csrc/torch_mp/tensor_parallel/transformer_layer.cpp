@@ -64,6 +64,14 @@ ParallelMLPOptions mlp_options(const ParallelTransformerLayerOptions& o) {
       .group(o.group());
 }
 
+LayerNormOptions norm_options(const ParallelTransformerLayerOptions& o) {
+  return LayerNormOptions({o.hidden_size()})
+      .eps(o.layer_norm_eps())
+      .bias(o.bias())
+      .sequence_parallel(o.sequence_parallel())
+      .group(o.group());
+}
+
 namespace {
 
 at::Tensor layer_forward(const at::Tensor& x,
@@ -180,12 +188,13 @@ void ParallelTransformerLayerImpl::reset() {
   const auto& o = options;
   // What the attention and MLP do not check themselves.
   check_parallel_transformer_layer(o);
-  const auto norm_options =
-      dense::LayerNormOptions(o.hidden_size()).eps(o.layer_norm_eps()).bias(o.bias());
-  norm1 = register_module("norm1", dense::LayerNorm(norm_options));
+  const auto norm = norm_options(o);
+  const auto dense_norm =
+      dense::LayerNormOptions(norm.normalized_shape()[0]).eps(norm.eps()).bias(norm.bias());
+  norm1 = register_module("norm1", dense::LayerNorm(dense_norm));
   self_attn =
       register_module("self_attn", ParallelSelfAttentionImpl::uninitialised(attention_options(o)));
-  norm2 = register_module("norm2", dense::LayerNorm(norm_options));
+  norm2 = register_module("norm2", dense::LayerNorm(dense_norm));
   mlp = register_module("mlp", ParallelMLPImpl::uninitialised(mlp_options(o)));
   for (const auto& p : norm1->parameters()) {
     set_replicated(p, o.group());

@@ -27,6 +27,7 @@
 #include "torch_mp/options.h"
 #include "torch_mp/process_groups.h"
 #include "torch_mp/tensor_parallel/attention.h"
+#include "torch_mp/tensor_parallel/layer_norm.h"
 #include "torch_mp/tensor_parallel/mlp.h"
 
 namespace torch_mp::tensor_parallel {
@@ -90,9 +91,11 @@ struct TransformerLayerParameters {
   MLPParameters mlp;
 };
 
-/// The attention and MLP options a layer with `options` builds its blocks with.
+/// The attention, MLP and LayerNorm options a layer with `options` builds its blocks with (the
+/// C++ module's norms are dense::LayerNorm with these sizes, eps and bias).
 ParallelSelfAttentionOptions attention_options(const ParallelTransformerLayerOptions& options);
 ParallelMLPOptions mlp_options(const ParallelTransformerLayerOptions& options);
+LayerNormOptions norm_options(const ParallelTransformerLayerOptions& options);
 
 /// The forward of ParallelTransformerLayer: `x` [s, b, h] ([s / t, b, h] under sequence
 /// parallelism), the mask as in attention_heads, dropout only when `training`. Dropout on whole
