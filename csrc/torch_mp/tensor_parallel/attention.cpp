@@ -22,15 +22,18 @@ namespace {
 
 constexpr double kInfinity = std::numeric_limits<double>::infinity();
 
-// softmax(q k^T / sqrt(d) + mask) v with region_dropout on the probabilities: the stream of
-// this rank's heads, under torch.compile too (a fused kernel would draw from its own).
+// softmax(q k^T scale + mask) v (scale 1 / sqrt(d) when unset) with region_dropout on the
+// probabilities: the stream of this rank's heads, under torch.compile too (a fused kernel would
+// draw from its own).
 at::Tensor attention_with_dropout(const at::Tensor& q,
                                   const at::Tensor& k,
                                   const at::Tensor& v,
                                   const std::optional<at::Tensor>& mask,
                                   bool causal,
-                                  double dropout_p) {
-  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+                                  double dropout_p,
+                                  std::optional<double> scale) {
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  auto scores = at::matmul(q, k.transpose(-2, -1)) * s;
   if (mask) {
     scores = scores + *mask;
   } else if (causal) {
@@ -44,15 +47,21 @@ at::Tensor attention_with_dropout(const at::Tensor& q,
 }  // namespace
 
 at::Tensor attention_heads(const at::Tensor& qkv,
-                           int64_t num_heads,
-                           const GroupPtr& group,
+                           const ParallelSelfAttentionOptions& o,
                            const std::optional<at::Tensor>& attn_mask,
                            bool is_causal,
-                           double dropout_p,
-                           bool recompute_core,
-                           const GroupPtr& context_group,
-                           const std::string& context_method,
-                           bool load_balance) {
+                           bool training) {
+  const auto& group = o.group();
+  TORCH_CHECK(group, "attention_heads: options.group() is not set");
+  TORCH_CHECK(!o.context_parallel() || o.context_group(),
+              "attention_heads: options.context_group() is not set");
+  const auto context_group = o.context_parallel() ? o.context_group() : nullptr;
+  const int64_t num_heads = o.num_heads();
+  const double dropout_p = training ? o.dropout() : 0.0;
+  const bool recompute_core = o.recompute_core();
+  const auto& context_method = o.context_method();
+  const bool load_balance = o.load_balance();
+  const std::optional<double> softmax_scale;  // (1 / sqrt(head_dim))
   const int64_t heads_local = num_heads / group->getSize();
   TORCH_CHECK(qkv.dim() == 3 && heads_local > 0 && qkv.size(2) % (3 * heads_local) == 0,
               "attention_heads: qkv must be [s, b, 3 * heads * head_dim], got ",
@@ -126,13 +135,14 @@ at::Tensor attention_heads(const at::Tensor& qkv,
                                             context_group,
                                             context_parallel::AttentionOptions()
                                                 .is_causal(causal)
+                                                .scale(softmax_scale)
                                                 .method(context_method)
                                                 .load_balance(load_balance)
                                                 .attn_mask(mask));
     } else if (dropout_p > 0) {
-      context = attention_with_dropout(q, k, v, mask, causal, dropout_p);
+      context = attention_with_dropout(q, k, v, mask, causal, dropout_p, softmax_scale);
     } else {
-      context = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal);
+      context = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, softmax_scale);
     }
     return {context.permute({2, 0, 1, 3}).reshape_symint({s, b, width})};
   };
@@ -221,18 +231,7 @@ at::Tensor parallel_self_attention(const at::Tensor& x,
   TORCH_CHECK(group, "parallel_self_attention: options.group() is not set");
   const auto qkv = column_parallel_linear(
       x, p.qkv_weight, p.qkv_bias, 3 * o.hidden_size(), false, o.sequence_parallel(), group);
-  TORCH_CHECK(!o.context_parallel() || o.context_group(),
-              "parallel_self_attention: options.context_group() is not set");
-  const auto context = attention_heads(qkv,
-                                       o.num_heads(),
-                                       group,
-                                       attn_mask,
-                                       is_causal,
-                                       training ? o.dropout() : 0.0,
-                                       o.recompute_core(),
-                                       o.context_parallel() ? o.context_group() : nullptr,
-                                       o.context_method(),
-                                       o.load_balance());
+  const auto context = attention_heads(qkv, o, attn_mask, is_causal, training);
   return row_parallel_linear(
       context, p.proj_weight, p.proj_bias, o.hidden_size(), true, o.sequence_parallel(), group);
 }
@@ -369,25 +368,11 @@ torch::nn::MultiheadAttention ParallelSelfAttentionImpl::to_dense() const {
 namespace {
 
 at::Tensor attention_heads_op(const at::Tensor& qkv,
-                              int64_t num_heads,
                               const std::optional<at::Tensor>& attn_mask,
                               bool is_causal,
-                              double dropout_p,
-                              c10::string_view group,
-                              bool recompute_core,
-                              c10::string_view context_group,
-                              c10::string_view context_method,
-                              bool load_balance) {
-  return attention_heads(qkv,
-                         num_heads,
-                         group_named(group),
-                         attn_mask,
-                         is_causal,
-                         dropout_p,
-                         recompute_core,
-                         group_named_or_none(context_group),
-                         std::string(context_method),
-                         load_balance);
+                              bool training,
+                              const ParallelSelfAttentionOptions& options) {
+  return attention_heads(qkv, options, attn_mask, is_causal, training);
 }
 
 at::Tensor parallel_self_attention_op(const at::Tensor& x,
@@ -406,11 +391,8 @@ at::Tensor parallel_self_attention_op(const at::Tensor& x,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
-  m.def(
-      "attention_heads(Tensor qkv, int num_heads, Tensor? attn_mask, bool is_causal, "
-      "float dropout_p, str group, bool recompute_core=False, str context_group=\"\", "
-      "str context_method=\"ring\", bool load_balance=True) -> Tensor",
-      &attention_heads_op);
+  options::def_layer_operator<&attention_heads_op>(
+      m, "attention_heads(Tensor qkv, Tensor? attn_mask, bool is_causal, bool training)");
   options::def_layer_operator<&parallel_self_attention_op>(
       m,
       "parallel_self_attention(Tensor x, Tensor qkv_weight, Tensor? qkv_bias, "

@@ -38,33 +38,6 @@ namespace torch_mp::tensor_parallel {
 /// (prefix of a module's own parameter names, prefix of its dense counterpart's) pairs.
 using DenseNames = std::vector<std::pair<std::string, std::string>>;
 
-/// Scaled dot-product attention over this rank's heads: of `num_heads` in all, rank r of `group`
-/// holds heads [r * n / t, (r + 1) * n / t). `qkv` [s, b, 3 * h_local] holds this rank's Q, K and
-/// V columns one after the other; returns [s, b, h_local]. `attn_mask` follows
-/// torch::nn::MultiheadAttention: [s, s] or [b * num_heads, s, s] (every head's; this rank uses
-/// its own), bool (true = may not attend) or float (added). `is_causal` without a mask applies
-/// the causal mask. Dropout on the attention probabilities (`dropout_p` > 0) draws from the
-/// per-rank stream (region_dropout), computing the softmax explicitly; without it the fused
-/// scaled_dot_product_attention runs. With `recompute_core` the attention itself (scores,
-/// softmax, dropout, the product with V) keeps only `qkv` and is recomputed in the backward
-/// (torch_mp::recompute: the same dropout masks), Megatron's selective recomputation.
-///
-/// With a `context_group`, `qkv` holds this rank's part of the sequence (see the top of this
-/// file), the attention is context_parallel::attention by `context_method` ("ring",
-/// "all_gather" or "all_to_all") over the cut `load_balance` names, and the masks are for the
-/// whole sequence. Attention dropout is refused there: the ranks' masks could not be the ones
-/// one process would draw.
-at::Tensor attention_heads(const at::Tensor& qkv,
-                           int64_t num_heads,
-                           const GroupPtr& group,
-                           const std::optional<at::Tensor>& attn_mask,
-                           bool is_causal,
-                           double dropout_p,
-                           bool recompute_core = false,
-                           const GroupPtr& context_group = {},
-                           const std::string& context_method = "ring",
-                           bool load_balance = true);
-
 /// Copies this rank's heads of a dense [3h, h] in-projection (Q; K; V stacked, as in
 /// torch::nn::MultiheadAttention) into `weight` [3h/t, h] (and of the [3h] bias into `bias`).
 void load_dense_qkv_(at::Tensor& weight,
@@ -116,6 +89,32 @@ struct ParallelSelfAttentionOptions {
 /// the same options on every rank of the group and of the context group. options.group() must
 /// be set, and options.context_group() with context_parallel.
 void check_parallel_self_attention(const ParallelSelfAttentionOptions& options);
+
+/// Scaled dot-product attention over this rank's heads, with the options of a
+/// ParallelSelfAttention: of `num_heads` in all, rank r of `group` holds heads
+/// [r * n / t, (r + 1) * n / t). `qkv` [s, b, 3 * h_local] holds this rank's Q, K and V columns
+/// one after the other; returns [s, b, h_local]. `attn_mask` follows
+/// torch::nn::MultiheadAttention: [s, s] or [b * num_heads, s, s] (every head's; this rank uses
+/// its own), bool (true = may not attend) or float (added). `is_causal` without a mask applies
+/// the causal mask. The scores are scaled by 1 / sqrt(head_dim).
+/// Dropout on the attention probabilities (`dropout` > 0, when `training`) draws from the
+/// per-rank stream (region_dropout), computing the softmax explicitly; without it the fused
+/// scaled_dot_product_attention runs. With `recompute_core` the attention itself (scores,
+/// softmax, dropout, the product with V) keeps only `qkv` and is recomputed in the backward
+/// (torch_mp::recompute: the same dropout masks), Megatron's selective recomputation.
+///
+/// With `context_parallel`, `qkv` holds this rank's part of the sequence (see the top of this
+/// file), the attention is context_parallel::attention over `context_group` by
+/// `context_method` ("ring", "all_gather" or "all_to_all") over the cut `load_balance` names,
+/// and the masks are for the whole sequence. Attention dropout is refused there: the ranks'
+/// masks could not be the ones one process would draw. The options' sizes and bias are not
+/// used. Also the operator torch.ops.torch_mp.attention_heads(qkv, attn_mask, is_causal,
+/// training, *, <the options>).
+at::Tensor attention_heads(const at::Tensor& qkv,
+                           const ParallelSelfAttentionOptions& options,
+                           const std::optional<at::Tensor>& attn_mask,
+                           bool is_causal,
+                           bool training);
 
 /// The options of an attention's Q/K/V projection (hidden -> 3 hidden, column-parallel) and
 /// output projection (hidden -> hidden, row-parallel).
