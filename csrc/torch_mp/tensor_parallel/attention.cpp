@@ -61,7 +61,7 @@ at::Tensor attention_heads(const at::Tensor& qkv,
   const bool recompute_core = o.recompute_core();
   const auto& context_method = o.context_method();
   const bool load_balance = o.load_balance();
-  const std::optional<double> softmax_scale;  // (1 / sqrt(head_dim))
+  const auto softmax_scale = o.softmax_scale();
   const int64_t heads_local = num_heads / group->getSize();
   TORCH_CHECK(qkv.dim() == 3 && heads_local > 0 && qkv.size(2) % (3 * heads_local) == 0,
               "attention_heads: qkv must be [s, b, 3 * heads * head_dim], got ",

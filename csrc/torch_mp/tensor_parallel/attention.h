@@ -65,7 +65,9 @@ std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_qkv(
 ///   only);
 /// - context_method: how the ranks' keys and values meet: "ring", "all_gather" or
 ///   "all_to_all" (context_parallel/attention.h);
-/// - load_balance: whether the sequence was cut load-balanced (shard_sequence's default).
+/// - load_balance: whether the sequence was cut load-balanced (shard_sequence's default);
+/// - softmax_scale: what the scores q k^T are multiplied by before the softmax; 1 / sqrt(head_dim)
+///   when unset.
 #define TORCH_MP_PARALLEL_SELF_ATTENTION_OPTIONS(REQUIRED, OPTION, KEYWORD) \
   REQUIRED(int64_t, hidden_size)                                            \
   REQUIRED(int64_t, num_heads)                                              \
@@ -77,7 +79,8 @@ std::pair<at::Tensor, std::optional<at::Tensor>> gather_dense_qkv(
   KEYWORD(bool, context_parallel, false)                                    \
   KEYWORD(GroupPtr, context_group, {})                                      \
   KEYWORD(std::string, context_method, "ring")                              \
-  KEYWORD(bool, load_balance, true)
+  KEYWORD(bool, load_balance, true)                                         \
+  KEYWORD(std::optional<double>, softmax_scale, std::nullopt)
 
 /// Options of ParallelSelfAttention.
 struct ParallelSelfAttentionOptions {
@@ -96,7 +99,7 @@ void check_parallel_self_attention(const ParallelSelfAttentionOptions& options);
 /// one after the other; returns [s, b, h_local]. `attn_mask` follows
 /// torch::nn::MultiheadAttention: [s, s] or [b * num_heads, s, s] (every head's; this rank uses
 /// its own), bool (true = may not attend) or float (added). `is_causal` without a mask applies
-/// the causal mask. The scores are scaled by 1 / sqrt(head_dim).
+/// the causal mask. The scores are scaled by `softmax_scale` (1 / sqrt(head_dim) when unset).
 /// Dropout on the attention probabilities (`dropout` > 0, when `training`) draws from the
 /// per-rank stream (region_dropout), computing the softmax explicitly; without it the fused
 /// scaled_dot_product_attention runs. With `recompute_core` the attention itself (scores,

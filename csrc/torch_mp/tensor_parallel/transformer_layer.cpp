@@ -52,7 +52,8 @@ ParallelSelfAttentionOptions attention_options(const ParallelTransformerLayerOpt
       .context_parallel(o.context_parallel())
       .context_group(o.context_group())
       .context_method(o.context_method())
-      .load_balance(o.load_balance());
+      .load_balance(o.load_balance())
+      .softmax_scale(o.softmax_scale());
 }
 
 ParallelMLPOptions mlp_options(const ParallelTransformerLayerOptions& o) {

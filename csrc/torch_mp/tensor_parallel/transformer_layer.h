@@ -48,7 +48,8 @@ namespace torch_mp::tensor_parallel {
 ///   compose with the pipeline's zero-bubble split (one recomputation, each gradient once);
 /// - context_parallel, context_group, context_method, load_balance: the sequence split over a
 ///   context group too, as ParallelSelfAttentionOptions' (the context group the default mesh's
-///   when unset).
+///   when unset);
+/// - softmax_scale: the attention's (1 / sqrt(head_dim) when unset).
 #define TORCH_MP_PARALLEL_TRANSFORMER_LAYER_OPTIONS(REQUIRED, OPTION, KEYWORD) \
   REQUIRED(int64_t, hidden_size)                                               \
   REQUIRED(int64_t, num_heads)                                                 \
@@ -64,7 +65,8 @@ namespace torch_mp::tensor_parallel {
   KEYWORD(bool, context_parallel, false)                                       \
   KEYWORD(GroupPtr, context_group, {})                                         \
   KEYWORD(std::string, context_method, "ring")                                 \
-  KEYWORD(bool, load_balance, true)
+  KEYWORD(bool, load_balance, true)                                            \
+  KEYWORD(std::optional<double>, softmax_scale, std::nullopt)
 
 /// Options of ParallelTransformerLayer.
 struct ParallelTransformerLayerOptions {
