@@ -8,7 +8,9 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "python/common.h"
+#include "torch_mp/agreement.h"
 #include "torch_mp/collectives.h"
+#include "torch_mp/comm.h"
 #include "torch_mp/mesh.h"
 
 namespace py = pybind11;
@@ -93,6 +95,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("group"),
       py::arg("what"),
       ReleaseGil());
+
+  m.def(
+      "raise_anywhere",
+      [](const std::vector<std::string>& problems,
+         const std::string& what,
+         const std::string& group) {
+        torch_mp::raise_anywhere(problems, what, torch_mp::group_named_or_none(group));
+      },
+      py::arg("problems"),
+      py::arg("what"),
+      py::arg("group"),
+      ReleaseGil(),
+      "Raises on every rank of `group` (\"\": this rank only) if any rank has `problems`: "
+      "\"<what> on rank <r>: <its problems>\", this rank's own if it has any.");
+  m.def(
+      "barrier",
+      [](const std::string& group) { torch_mp::comm::barrier(resolve(group)); },
+      py::arg("group"),
+      ReleaseGil());
+  m.def(
+      "all_gather_bytes",
+      [](const py::bytes& mine, const std::string& group) {
+        std::vector<std::string> all;
+        {
+          const std::string text = mine;
+          py::gil_scoped_release no_gil;
+          all = torch_mp::comm::all_gather_text(text, resolve(group));
+        }
+        py::list out;
+        for (const auto& text : all) {
+          out.append(py::bytes(text));
+        }
+        return out;
+      },
+      py::arg("mine"),
+      py::arg("group"),
+      "Every rank's bytes, in rank order, on every rank.");
+  m.def(
+      "all_gather_named",
+      [](const std::map<std::string, at::Tensor>& mine, const std::string& group) {
+        return torch_mp::comm::all_gather_named(mine, resolve(group));
+      },
+      py::arg("mine"),
+      py::arg("group"),
+      ReleaseGil(),
+      "The union of every rank's named tensors, on every rank.");
 
   m.def("set_check_collectives", &torch_mp::set_check_collectives, py::arg("on"));
   m.def("check_collectives", &torch_mp::check_collectives);

@@ -5,7 +5,10 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include "python/common.h"
+#include "torch_mp/checkpoint/checkpoint.h"
 #include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/safetensors.h"
 #include "torch_mp/checkpoint/shards.h"
@@ -103,10 +106,12 @@ void bind_checkpoint(py::module_& parent) {
          const std::vector<std::string>& files,
          const std::map<std::string, std::string>& metadata,
          const std::map<std::string, py::bytes>& root_files,
-         const std::string& group) {
+         const std::string& world,
+         const StorePtr& store) {
         const auto contents = contents_of(root_files);
         py::gil_scoped_release release;
-        return ckpt::async_save(path, shards, file, files, metadata, contents, resolve(group));
+        const auto group = ckpt::background_group(resolve(world), store);
+        return ckpt::async_save(path, shards, file, files, metadata, contents, group);
       },
       py::arg("path"),
       py::arg("shards"),
@@ -114,7 +119,38 @@ void bind_checkpoint(py::module_& parent) {
       py::arg("files"),
       py::arg("metadata"),
       py::arg("root_files"),
-      py::arg("group"));
+      py::arg("world"),
+      py::arg("store"),
+      "Saves in the background over the world's group of background saves (made over `store` "
+      "the first time: collective over the world).");
+  m.def(
+      "plan_save",
+      [](int64_t pp_size,
+         int64_t tp_size,
+         int64_t ep_size,
+         int64_t pp_rank,
+         int64_t tp_rank,
+         int64_t place,
+         const std::vector<bool>& over_experts) {
+        const auto plan =
+            ckpt::plan_save({pp_size, tp_size, ep_size, pp_rank, tp_rank, place}, over_experts);
+        return py::make_tuple(plan.file, plan.files, plan.kept);
+      },
+      py::arg("pp_size"),
+      py::arg("tp_size"),
+      py::arg("ep_size"),
+      py::arg("pp_rank"),
+      py::arg("tp_rank"),
+      py::arg("place"),
+      py::arg("over_experts"),
+      "(this rank's file or None, every file, the indices of the shards it writes).");
+  m.def(
+      "over_expert_group",
+      [](const at::Tensor& parameter, const std::string& ep_group) {
+        return ckpt::over_expert_group(parameter, resolve(ep_group));
+      },
+      py::arg("parameter"),
+      py::arg("ep_group"));
   m.def("wait_for_pending_save",
         &ckpt::wait_for_pending_save,
         py::call_guard<py::gil_scoped_release>());

@@ -168,6 +168,7 @@ void bind_pipeline(py::module_& parent) {
            py::call_guard<py::gil_scoped_release>())
       .def("set_check_finite", &Pipeline::set_check_finite, py::arg("on"))
       .def_property_readonly("trace", &Pipeline::trace)
+      .def("gathered_trace", &Pipeline::gathered_trace, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("schedule", &Pipeline::schedule)
       .def_property_readonly("ordered", &Pipeline::ordered);
 

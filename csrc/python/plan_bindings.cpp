@@ -8,6 +8,7 @@
 #include <string>
 
 #include "torch_mp/plan/estimate.h"
+#include "torch_mp/plan/probe.h"
 #include "torch_mp/plan/sizes.h"
 #include "torch_mp/plan/time.h"
 
@@ -63,6 +64,16 @@ plan::Layout layout_of(const py::dict& layout) {
 }  // namespace
 
 void bind_plan(py::module_& m) {
+  m.def(
+      "plan_time_all_reduce",
+      [](int64_t elements, const std::string& group, int64_t repeats) {
+        return plan::time_all_reduce(group_named(group), elements, repeats);
+      },
+      py::arg("elements"),
+      py::arg("group"),
+      py::arg("repeats"),
+      py::call_guard<py::gil_scoped_release>(),
+      "The median seconds of an all-reduce of `elements` float32 over `group` (probe.h).");
   using plan::RankEstimate;
   py::class_<RankEstimate>(m, "RankEstimate")
       .def_readonly("kind", &RankEstimate::kind)

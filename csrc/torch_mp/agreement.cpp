@@ -59,7 +59,77 @@ std::string disagreement(const std::string& what, const GroupPtr& group) {
   return msg.str();
 }
 
+// ---- problems raised on every rank ----
+
+constexpr size_t kProblemsShown = 8;
+
+// "<what> on rank <rank>: <problems>".
+std::string failure_text(const std::string& what, int64_t rank, const std::string& problems) {
+  return what + " on rank " + std::to_string(rank) + ": " + problems;
+}
+
+// The problems of the first rank of `group` that has any (this rank's own, `problems` summed up
+// in `mine`, if it has some): every rank takes part in the same collectives, whether or not it
+// has problems.
+std::optional<std::string> first_rank_problems(const std::vector<std::string>& problems,
+                                               const std::string& mine,
+                                               const std::string& what,
+                                               const GroupPtr& group) {
+  const auto all = comm::all_gather_text(mine, group);
+  if (!problems.empty()) {
+    return failure_text(what, group->getRank(), mine);
+  }
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!all[r].empty()) {
+      return failure_text(what, static_cast<int64_t>(r), all[r]);
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
+
+std::string text_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+    return error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+std::string summary_of(const std::vector<std::string>& items) {
+  std::string out;
+  for (size_t i = 0; i < items.size() && i < kProblemsShown; ++i) {
+    if (i) {
+      out += "; ";
+    }
+    out += items[i];
+  }
+  if (items.size() > kProblemsShown) {
+    out += "; and " + std::to_string(items.size() - kProblemsShown) + " more";
+  }
+  return out;
+}
+
+std::optional<std::string> failure_anywhere(const std::vector<std::string>& problems,
+                                            const std::string& what,
+                                            const GroupPtr& group) {
+  const std::string mine = summary_of(problems);
+  if (group && group->getSize() > 1) {
+    return first_rank_problems(problems, mine, what, group);
+  }
+  if (!problems.empty()) {
+    return failure_text(what, group ? group->getRank() : 0, mine);
+  }
+  return std::nullopt;
+}
+
+void raise_anywhere(const std::vector<std::string>& problems,
+                    const std::string& what,
+                    const GroupPtr& group) {
+  if (const auto failure = failure_anywhere(problems, what, group)) {
+    TORCH_CHECK(false, *failure);
+  }
+}
 
 void set_check_collectives(bool on) { collective_checks = on; }
 

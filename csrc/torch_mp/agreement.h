@@ -1,13 +1,19 @@
 #pragma once
-// Checks that the ranks of a group agree: on a configuration, on a text, on a replicated tensor.
+// The ranks of a group agree: on a configuration, on a text, on a replicated tensor, and on
+// whether any of them failed (the cross-rank failure machinery the core's areas share).
 //
 // A bad value on one rank must raise on every rank: a check that failed on one rank alone would
 // leave the others waiting in their next collective. Each check therefore exchanges what it
 // compares first (one small all-gather) and raises on every rank, naming what each rank holds.
+// Likewise problems one rank finds (raise_anywhere): each rank collects what went wrong on it,
+// and one exchange tells every rank whether any rank has problems, and which rank's to report.
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +32,36 @@ namespace torch_mp {
 void set_check_collectives(bool on);
 /// Whether the collective checks are on.
 bool check_collectives();
+
+/// An exception's message without the backtrace c10 errors carry.
+std::string text_of(const std::exception& e);
+
+/// Runs `body`, turning an exception into one of `problems` (which raise_anywhere then reports
+/// on every rank: a rank that raised alone would leave the others waiting).
+template <typename Body>
+void collect_problems(std::vector<std::string>& problems, const Body& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    problems.push_back(text_of(e));
+  }
+}
+
+/// Raises on every rank of `group` (this rank only when `group` is null) if any rank has
+/// `problems`: "<what> on rank <r>: <its problems>", this rank's own if it has any.
+void raise_anywhere(const std::vector<std::string>& problems,
+                    const std::string& what,
+                    const GroupPtr& group);
+
+/// What raise_anywhere raises, without raising it: the text of the first rank of `group` with
+/// problems (this rank's own if it has some), or nullopt when no rank has any. Collective over
+/// `group` (may be null).
+std::optional<std::string> failure_anywhere(const std::vector<std::string>& problems,
+                                            const std::string& what,
+                                            const GroupPtr& group);
+
+/// Up to eight of `items` joined by "; ", and how many more there are.
+std::string summary_of(const std::vector<std::string>& items);
 
 namespace comm {
 

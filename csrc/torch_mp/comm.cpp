@@ -5,6 +5,8 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include <cstring>
+#include <sstream>
 #include <string>
 
 #include "torch_mp/agreement.h"
@@ -74,6 +76,80 @@ at::Tensor all_reduce(const at::Tensor& x, const GroupPtr& group, c10d::ReduceOp
   options.reduceOp = std::move(op);
   wait_for(group->allreduce(tensors, options), group, "all_reduce");
   return tensors[0];
+}
+
+std::vector<std::string> all_gather_text(const std::string& text, const GroupPtr& group) {
+  check_group(group);
+  const auto device = device_of(group);
+  const auto longest =
+      all_reduce(at::full({1}, static_cast<int64_t>(text.size()), at::kLong).to(device),
+                 group,
+                 c10d::ReduceOp::MAX)
+          .item<int64_t>();
+  // Each rank's bytes, then its length (8 bytes), in a row of the longest's width.
+  const int64_t width = longest + 8;
+  auto row = at::zeros({width}, at::kByte);
+  auto* bytes = row.data_ptr<uint8_t>();
+  std::copy(text.begin(), text.end(), bytes);
+  const auto size = static_cast<int64_t>(text.size());
+  std::memcpy(bytes + longest, &size, sizeof(size));
+  const auto all = all_gather(row.to(device), 0, group).cpu().view({-1, width});
+  std::vector<std::string> out;
+  for (int64_t r = 0; r < all.size(0); ++r) {
+    const auto* mine = all[r].data_ptr<uint8_t>();
+    int64_t length = 0;
+    std::memcpy(&length, mine + longest, sizeof(length));
+    out.emplace_back(reinterpret_cast<const char*>(mine), static_cast<size_t>(length));
+  }
+  return out;
+}
+
+void barrier(const GroupPtr& group) {
+  check_group(group);
+  wait_for(group->barrier(), group, "barrier");
+}
+
+std::map<std::string, at::Tensor> all_gather_named(const std::map<std::string, at::Tensor>& mine,
+                                                   const GroupPtr& group) {
+  check_group(group);
+  // "name\n dtype size... \n" per tensor.
+  std::ostringstream described;
+  for (const auto& [name, tensor] : mine) {
+    TORCH_CHECK(name.find('\n') == std::string::npos, "all_gather_named: a name holds a newline");
+    described << name << "\n" << static_cast<int>(tensor.scalar_type());
+    for (const auto size : tensor.sizes()) {
+      described << " " << size;
+    }
+    described << "\n";
+  }
+  const auto device = device_of(group);
+  std::map<std::string, at::Tensor> out;
+  const auto all = all_gather_text(described.str(), group);
+  for (size_t r = 0; r < all.size(); ++r) {
+    std::istringstream lines(all[r]);
+    std::string name, shape;
+    while (std::getline(lines, name) && std::getline(lines, shape)) {
+      std::istringstream fields(shape);
+      int dtype = 0;
+      fields >> dtype;
+      std::vector<int64_t> sizes;
+      for (int64_t size = 0; fields >> size;) {
+        sizes.push_back(size);
+      }
+      at::Tensor tensor =
+          static_cast<int64_t>(r) == group->getRank()
+              ? mine.at(name).detach().to(device).clone()
+              : at::empty(
+                    sizes,
+                    at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)).device(device));
+      std::vector<at::Tensor> tensors{tensor};
+      c10d::BroadcastOptions options;
+      options.rootRank = static_cast<int64_t>(r);
+      wait_for(group->broadcast(tensors, options), group, "all_gather_named");
+      out.emplace(name, tensors[0]);  // (the lowest rank's, for a name held twice)
+    }
+  }
+  return out;
 }
 
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {

@@ -16,6 +16,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "torch_mp/process_groups.h"
@@ -38,6 +40,19 @@ void all_gather_into(const at::Tensor& output, const at::Tensor& input, const Gr
 c10::intrusive_ptr<c10d::Work> start_all_gather_into(const at::Tensor& output,
                                                      const at::Tensor& input,
                                                      const GroupPtr& group);
+
+/// Every rank's `text` (any bytes), in rank order, on every rank: one all-reduce of the lengths
+/// and one all-gather, on the group's device.
+std::vector<std::string> all_gather_text(const std::string& text, const GroupPtr& group);
+
+/// Returns once every rank of the group has called it (a dead or silent peer: an error).
+void barrier(const GroupPtr& group);
+
+/// The union of every rank's named tensors, on every rank (a name several ranks hold is taken
+/// from the lowest of them), on the group's device: their names, dtypes and shapes exchanged
+/// first, then each broadcast from its rank.
+std::map<std::string, at::Tensor> all_gather_named(const std::map<std::string, at::Tensor>& mine,
+                                                   const GroupPtr& group);
 
 /// Waits for an asynchronous collective `op` on `group`, turning a dead or silent peer into an
 /// error that says so.

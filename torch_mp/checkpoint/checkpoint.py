@@ -53,7 +53,7 @@ MODEL = "model/"  # the prefix of the model's tensors in a checkpoint (optim/ fo
 
 
 def _world_name() -> str:
-    return dist.distributed_c10d._get_default_group().group_name
+    return dist.group.WORLD.group_name
 
 
 def _dense_tensors(module: nn.Module, rename: Rename) -> list[tuple[str, torch.Tensor, bool]]:
@@ -167,32 +167,19 @@ def async_save(
         A handle: ``handle.wait()`` blocks until the checkpoint is published and raises, on
         every rank alike, what the save raised; ``handle.done()`` says whether it has finished.
     """
-    group = _background_group()  # collective the first time: before any rank can fail alone
+    global _waits_at_exit
+    if not _waits_at_exit:
+        atexit.register(_C.checkpoint.wait_for_pending_save)
+        _waits_at_exit = True
     with whole_parameters(_modules(model)):  # (copied before async_save returns)
         request = _save_request(path, model, optimizer, extra, rename, mesh)
-        return _C.checkpoint.async_save(*request, group.group_name)
+        # The core makes the background saves' group over the world the first time.
+        store = dist.distributed_c10d._get_default_store()
+        return _C.checkpoint.async_save(*request, _world_name(), store)
 
 
-# The default group the background group was made over, and that group: made again when the
-# world is (a name can come back after destroy_process_group; the object cannot).
-_background: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
-
-
-def _background_group() -> dist.ProcessGroup:
-    """The Gloo group over the world that background saves use: their collectives on a group
-    that training uses too would interleave with training's."""
-    global _background
-    default = dist.distributed_c10d._get_default_group()
-    if _background is None or _background[0] is not default:
-        timeout = None
-        for device in ("cpu", "cuda"):
-            with contextlib.suppress(Exception):
-                timeout = default._get_backend(torch.device(device)).options._timeout
-                break
-        if _background is None:
-            atexit.register(_C.checkpoint.wait_for_pending_save)
-        _background = (default, dist.new_group(backend="gloo", timeout=timeout))
-    return _background[1]
+# Whether the program waits for the last background save at its end.
+_waits_at_exit = False
 
 
 def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
@@ -204,9 +191,12 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
     problems: list[str] = []
     state = _state_by_parameter(optimizer)
 
+    experts = "" if mesh.ep_group is None else mesh.ep_group.group_name
+
     def add(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
         shards.append(_shard(name, tensor, like, mesh))
-        over_experts.append(_over_expert_group(like, mesh))
+        # (a mixture of experts' tensor: it lies over the expert group)
+        over_experts.append(_C.checkpoint.over_expert_group(like, experts))
 
     with _collected(problems):
         named = _all_dense_tensors(model, rename)
@@ -235,29 +225,20 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
         for key, value in extra.items():
             if isinstance(key, str) and isinstance(value, (str, int, float, bool)):
                 metadata[f"extra/{key}"] = str(value)
-    # Place 0 of each (pp, tp)'s data x context group writes all it holds (its replicas hold the
-    # same); with ep > 1 places 1 .. ep - 1 write their experts into files of their own.
-    ep = mesh.ep_size
-    files = [
-        _C.checkpoint.shard_file(pp, t, e)
-        for pp in range(mesh.pp_size)
-        for t in range(mesh.tp_size)
-        for e in range(ep)
-    ]
-    place = mesh.dp_rank * mesh.cp_size + mesh.cp_rank
-    mine = _C.checkpoint.shard_file(mesh.pp_rank, mesh.tp_rank, place) if place < ep else None
-    if mine is not None and place > 0:  # its experts only: the rest is place 0's
-        shards = [shard for shard, expert in zip(shards, over_experts, strict=True) if expert]
+    # Which files the checkpoint has, which is this rank's, and which shards go into it: the
+    # core's plan (place 0 of each (pp, tp)'s data x context group writes all it holds, places
+    # 1 .. ep - 1 their experts).
+    mine, files, kept = _C.checkpoint.plan_save(
+        mesh.pp_size,
+        mesh.tp_size,
+        mesh.ep_size,
+        mesh.pp_rank,
+        mesh.tp_rank,
+        mesh.dp_rank * mesh.cp_size + mesh.cp_rank,
+        over_experts,
+    )
+    shards = [shards[i] for i in kept]
     return os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}
-
-
-def _over_expert_group(parameter: torch.Tensor, mesh: Mesh) -> bool:
-    """Whether ``parameter`` lies over the mesh's expert group (a mixture of experts' experts or
-    router): tensors that differ between the data ranks of one (pp, tp) when ep > 1."""
-    if mesh.ep_size == 1:
-        return False
-    layout = _C.layout_of(parameter)
-    return layout is not None and layout.group_name == mesh.ep_group.group_name
 
 
 def _state_by_parameter(optimizer: torch.optim.Optimizer | None) -> dict:

@@ -155,20 +155,11 @@ def _load_dense_state_dict(module, state_dict, rename, group) -> None:
 
 
 def _raise_anywhere(problems: list[str], what: str, group: dist.ProcessGroup | None) -> None:
-    """Raises on every rank of ``group`` if any rank has problems (each naming its own, or the
-    first failing rank's)."""
-    if dist.is_available() and dist.is_initialized():
-        everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, problems, group=group)
-    else:
-        everyone = [problems]
-    failing = [(rank, found) for rank, found in enumerate(everyone) if found]
-    if not failing:
-        return
-    own = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-    rank, found = (own, problems) if problems else failing[0]
-    shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
-    raise RuntimeError(f"{what} on rank {rank}: {shown}")
+    """Raises on every rank of ``group`` (the world when None) if any rank has problems (each
+    naming its own, or the first failing rank's): the core's ``raise_anywhere``."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    _C.raise_anywhere(problems, what, "" if group is None else group.group_name)
 
 
 def _modules_and_renames(

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import torch_mp
-from torch_mp import checkpoint, pipeline
+from torch_mp import _C, checkpoint, pipeline
 from torch_mp.models.gpt import DenseGPT, build_stages, dense_loss
 
 __all__ = ["DenseTrainer", "Trainer3D", "TrainingOptions", "differences", "learning_rate"]
@@ -176,8 +176,8 @@ class Trainer3D:
         # the context ranks' losses are the same mean over their sequences), averaged.
         counted = loss is not None and self.mesh.tp_rank == 0 and self.mesh.cp_rank == 0
         value = torch.tensor([loss.item() if counted else 0.0], dtype=torch.float64)
-        dist.all_reduce(value)
-        return value.item() / self.mesh.dp_size
+        world = dist.group.WORLD.group_name
+        return torch.ops.torch_mp.all_reduce(value, "sum", world).item() / self.mesh.dp_size
 
     def gathered(self) -> dict[str, torch.Tensor]:
         """This rank's stages' parameters in ``DenseGPT``'s names (a tensor-group collective)."""
@@ -188,18 +188,15 @@ class Trainer3D:
 
     def dense_state(self, everywhere: bool = False) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters in ``DenseGPT``'s names on global rank 0 (None
-        elsewhere), or on every rank with ``everywhere``: a collective over every rank."""
+        elsewhere), or on every rank with ``everywhere``: a collective over every rank (the
+        core's ``all_gather_named``: each stage's tensors from its first tensor, data and
+        context rank)."""
         mine = self.gathered()  # a tensor-group collective: every rank takes part
         if self.mesh.tp_rank != 0 or self.mesh.dp_rank != 0 or self.mesh.cp_rank != 0:
             mine = {}
         mine.pop("head.weight", None)  # tied to tok.weight
-        if everywhere:
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, mine)
-        else:
-            parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(mine, parts, dst=0)
-        return None if parts is None else {k: v for part in parts for k, v in part.items()}
+        whole = _C.all_gather_named(mine, dist.group.WORLD.group_name)
+        return whole if everywhere or dist.get_rank() == 0 else None
 
     def save(self, path: str, step: int, *, background: bool = False):
         """Saves the model and the optimizer in DenseGPT's names (every rank): loadable at

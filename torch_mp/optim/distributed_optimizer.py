@@ -12,6 +12,7 @@ buckets. For the user it is a ``torch.optim.Optimizer`` over the whole parameter
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable
 from typing import Any
 
@@ -177,8 +178,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for key, value in self._shard_state(shard, parameters[index]).items():
                 shaped = _per_element(key, value, shard.shape)
                 mine.setdefault(index, {})[key] = _SHAPED if shaped else _to_cpu(value)
-        every: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, mine, group=self.group)
+        # Every rank's description of what it holds (the core's byte exchange).
+        every = [
+            pickle.loads(b) for b in _C.all_gather_bytes(pickle.dumps(mine), self.group.group_name)
+        ]
         described: dict[int, dict[str, Any]] = {}
         for rank_state in every:
             for index, state in rank_state.items():

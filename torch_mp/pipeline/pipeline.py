@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -13,7 +12,7 @@ from torch import nn
 from torch_mp._C import pipeline as _core
 from torch_mp.data_parallel import stage_hooks
 from torch_mp.mesh import Mesh, get_mesh
-from torch_mp.pipeline.schedule import Action, Schedule
+from torch_mp.pipeline.schedule import Schedule
 
 
 def _as_list(value) -> list[torch.Tensor]:
@@ -172,20 +171,8 @@ class Pipeline:
         """Every pipeline rank's :attr:`trace` of the last step, as one trace, on the pipeline
         group's first rank (None on the others): a collective over the pipeline group. Each
         rank's times count from its own start of the step."""
-        mine = [(t.rank, str(t.action), t.start, t.end) for t in self._core.trace]
-        ranks = dist.get_process_group_ranks(self.group)
-        first = dist.get_rank() == ranks[0]
-        parts = [None] * len(ranks) if first else None
-        dist.gather_object(mine, parts, group=self.group, group_dst=0)
-        if not first:
-            return None
-        return _Trace(
-            [
-                _TimedAction(rank, Action.parse(action), start, end)
-                for part in parts
-                for rank, action, start, end in part
-            ]
-        )
+        gathered = self._core.gathered_trace()
+        return None if gathered is None else _Trace(gathered)
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None):
         """Runs forward and backward over all micro-batches, accumulating gradients.
@@ -208,13 +195,6 @@ class Pipeline:
             return None
         output = outputs[0] if len(outputs) == 1 else tuple(outputs)
         return output if loss is None else (output, loss)
-
-
-class _TimedAction(NamedTuple):
-    rank: int
-    action: Action
-    start: float
-    end: float
 
 
 class _Trace:

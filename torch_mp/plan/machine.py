@@ -7,15 +7,15 @@ node, with links inside and between nodes), or measure them on the current ranks
 
 from __future__ import annotations
 
-import functools
 import json
 import pathlib
 import time
 from dataclasses import dataclass, field
-from statistics import median
 
 import torch
 import torch.distributed as dist
+
+from torch_mp import _C
 
 __all__ = ["Machine", "parse_bytes"]
 
@@ -169,7 +169,7 @@ class Machine:
         device = torch.device("cuda", torch.cuda.current_device()) if _on_cuda(mesh) else None
         device = device or torch.device("cpu")
 
-        def timed(run, pick=min) -> float:
+        def timed(run) -> float:
             run()  # (warm up)
             seconds = []
             for _ in range(repeats):
@@ -178,11 +178,12 @@ class Machine:
                 run()
                 _sync(device)
                 seconds.append(time.perf_counter() - start)
-            return pick(seconds)
+            return min(seconds)
 
+        world = dist.group.WORLD.group_name
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
-        dist.barrier()
+        _C.barrier(world)
         flops = 2 * size**3 / timed(lambda: torch.mm(a, b))
         x = torch.ones(1, 64, device=device, requires_grad=True)
 
@@ -196,10 +197,10 @@ class Machine:
         overhead = timed(chain) / 30
         source = torch.empty(8 * 2**20, device=device)
         target = torch.empty_like(source)
-        dist.barrier()
+        _C.barrier(world)
         bandwidth = 2 * source.nbytes / timed(lambda: target.copy_(source)) / 1e9
         links, latencies = {}, []
-        big, one = torch.ones(2**20, device=device), torch.ones(1, device=device)
+        big = 2**20  # float32 elements: 4 MiB
         groups = {
             "tp": (mesh.tp_group, mesh.tp_size),
             "cp": (mesh.cp_group, mesh.cp_size),
@@ -209,22 +210,21 @@ class Machine:
         for d, (group, p) in groups.items():
             if p == 1:
                 continue
-            dist.barrier()
-            # (the median: a collective waits for the slower rank, as in a step)
-            seconds = timed(functools.partial(dist.all_reduce, big, group=group), median)
-            latency = timed(functools.partial(dist.all_reduce, one, group=group), median)
-            latency /= 2 * (p - 1)
-            sent = 2 * (p - 1) / p * big.nbytes  # (per rank, by a ring)
+            _C.barrier(world)
+            # (the core's probe: the median, as a collective waits for the slower rank in a step)
+            seconds = _C.plan_time_all_reduce(big, group.group_name, repeats)
+            latency = _C.plan_time_all_reduce(1, group.group_name, repeats) / (2 * (p - 1))
+            sent = 2 * (p - 1) / p * big * 4  # bytes (per rank, by a ring)
             links[d] = sent / max(seconds - 2 * (p - 1) * latency, 1e-9) / 1e9
             latencies.append(latency)
         # the slowest rank's figures
         slowest = [-flops, -bandwidth, max(latencies, default=0.0), overhead]
-        figures = torch.tensor(slowest, dtype=torch.float64)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        for d in sorted(links):
-            rate = torch.tensor([-links[d]], dtype=torch.float64)
-            dist.all_reduce(rate, op=dist.ReduceOp.MAX)  # (every rank has each dimension)
-            links[d] = -rate.item()
+        slowest += [-links[d] for d in sorted(links)]  # (every rank has each dimension)
+        figures = torch.ops.torch_mp.all_reduce(
+            torch.tensor(slowest, dtype=torch.float64, device=device), "max", world
+        ).cpu()
+        for i, d in enumerate(sorted(links)):
+            links[d] = -figures[4 + i].item()
         return cls(
             flops={_dtype_name(dtype): -figures[0].item()},
             memory_bandwidth=-figures[1].item(),

@@ -150,9 +150,7 @@ def compare(layouts: list[dict], meshes: dict | None = None) -> list[Row]:
         key = mesh_key(keywords)
         if key not in meshes:
             meshes[key] = torch_mp.init(tp=key[0], pp=key[1], cp=key[2], ep=key[3], timeout=60)
-        mine = measure(config, mesh=meshes[key], **keywords)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        everyone = _every_rank(measure(config, mesh=meshes[key], **keywords))
         gc.collect()
         for row in estimate(config, **keywords).ranks:
             ranks = [m for m in everyone if m["pipeline_rank"] in row.pipeline_ranks]
@@ -169,13 +167,21 @@ def compare(layouts: list[dict], meshes: dict | None = None) -> list[Row]:
     return rows
 
 
+def _every_rank(mine: dict[str, int]) -> list[dict[str, int]]:
+    """Every rank's measurement (its ``peak``, ``states`` and ``pipeline_rank``), by the core's
+    all-gather over the world."""
+    keys = ("peak", "states", "pipeline_rank")
+    row = torch.tensor([[mine[k] for k in keys]], dtype=torch.int64)
+    everyone = torch.ops.torch_mp.all_gather(row, 0, dist.group.WORLD.group_name)
+    return [dict(zip(keys, values, strict=True)) for values in everyone.tolist()]
+
+
 def out_of_bounds(measured, estimated, mesh, layout: dict, name: str) -> str | None:
     """``measured`` trained at ``layout`` on ``mesh`` (:func:`torch_mp.plan.measure`, a
     collective) against the estimate of ``estimated`` (the same model, e.g. its config or built
     on the meta device) at a layout of one kind of rank (pp 1), both at the busiest rank: None
     within :data:`PEAK_BOUND` and :data:`STATES_BOUND`, else what is off, named ``name``."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, measure(measured, mesh=mesh, **layout))
+    everyone = _every_rank(measure(measured, mesh=mesh, **layout))
     peak, states = max(m["peak"] for m in everyone), max(m["states"] for m in everyone)
     row = estimate(estimated, **layout).ranks[0]
     peak_error, states_error = row.peak / peak - 1, row.between_steps / states - 1

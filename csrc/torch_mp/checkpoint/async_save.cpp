@@ -7,7 +7,7 @@
 #include <iostream>
 #include <utility>
 
-#include "torch_mp/checkpoint/problems.h"
+#include "torch_mp/agreement.h"
 #include "torch_mp/checkpoint/shard_writer.h"
 
 namespace torch_mp::checkpoint {

@@ -2,11 +2,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <filesystem>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <unordered_set>
 
 #include "torch_mp/checkpoint/atomic_files.h"
@@ -128,33 +128,14 @@ std::vector<DenseTensor> dense_tensors(const torch::nn::Module& module, const Re
 
 namespace {
 
-// This rank's place in its data x context group (data rank major).
-int64_t expert_place(const Mesh& mesh) { return mesh.dp_rank() * mesh.cp_size() + mesh.cp_rank(); }
-
-// Whether `parameter` lies over the mesh's expert group (a mixture of experts' experts, or its
-// router): tensors that differ between the data ranks of one (pp, tp) when ep > 1.
-bool over_expert_group(const at::Tensor& parameter, const Mesh& mesh) {
-  const auto layout = layout_of(parameter);
-  return mesh.ep_size() > 1 && layout && layout->group == mesh.ep_group;
-}
-
-// The file this rank writes (none for a replica) and every file of the checkpoint. Place 0 of
-// each (pp, tp)'s data x context group writes everything it holds; with ep > 1 the places
-// 1 .. ep - 1 (the other ranks of its expert group) write their experts into files of their own.
-std::pair<std::optional<std::string>, std::vector<std::string>> shard_files(const Mesh& mesh) {
-  std::vector<std::string> files;
-  for (int64_t pp = 0; pp < mesh.pp_size(); ++pp) {
-    for (int64_t t = 0; t < mesh.tp_size(); ++t) {
-      for (int64_t e = 0; e < mesh.ep_size(); ++e) {
-        files.push_back(shard_file(pp, t, e));
-      }
-    }
-  }
-  const int64_t place = expert_place(mesh);
-  if (place >= mesh.ep_size()) {  // a replica of place (place mod ep)
-    return {std::nullopt, std::move(files)};
-  }
-  return {shard_file(mesh.pp_rank(), mesh.tp_rank(), place), std::move(files)};
+// Where this rank sits, as its save plans its files.
+SaveLayout save_layout(const Mesh& mesh) {
+  return {mesh.pp_size(),
+          mesh.tp_size(),
+          mesh.ep_size(),
+          mesh.pp_rank(),
+          mesh.tp_rank(),
+          mesh.dp_rank() * mesh.cp_size() + mesh.cp_rank()};
 }
 
 // What this rank's save of `stages` and `optimizer` writes (shard_writer.h's save's arguments).
@@ -177,7 +158,7 @@ SaveRequest save_request(const std::string& path,
     const auto tensors = all_dense_tensors(stages);
     shards = model_shards(tensors, *mesh);
     for (const auto& t : tensors) {
-      over_experts.push_back(over_expert_group(t.tensor, *mesh));
+      over_experts.push_back(over_expert_group(t.tensor, mesh->ep_group));
     }
     if (!optimizer) {
       return;
@@ -206,7 +187,7 @@ SaveRequest save_request(const std::string& path,
       const std::string prefix = "optim/" + t.name + "/";
       for (const auto& [name, value] : state.tensors) {
         shards.push_back(shard_of(prefix + name, value, t.tensor, mesh->tp_group));
-        over_experts.push_back(over_expert_group(t.tensor, *mesh));
+        over_experts.push_back(over_expert_group(t.tensor, mesh->ep_group));
       }
       if (state.step) {
         shards.push_back(step_shard(prefix + "step",
@@ -225,54 +206,12 @@ SaveRequest save_request(const std::string& path,
   for (const auto& [key, value] : extra) {
     metadata[kExtra + key] = value;
   }
-  const auto [file, files] = shard_files(*mesh);
-  if (file && expert_place(*mesh) > 0) {  // this rank's experts only: the rest is place 0's
-    std::vector<Shard> experts;
-    for (size_t i = 0; i < shards.size(); ++i) {
-      if (over_experts[i]) {
-        experts.push_back(std::move(shards[i]));
-      }
-    }
-    shards = std::move(experts);
+  auto plan = plan_save(save_layout(*mesh), over_experts);
+  std::vector<Shard> kept;
+  for (const size_t i : plan.kept) {
+    kept.push_back(std::move(shards[i]));
   }
-  return {std::move(shards), file, files, std::move(metadata)};
-}
-
-// The group background saves over `mesh` use: a Gloo group over its world of their own (the
-// save's collectives would interleave with training's on a shared one), made once per world
-// (and kept with it, so that no other world can take its address).
-GroupPtr background_group(const Mesh& mesh) {
-  static std::mutex mutex;
-  static std::map<const c10d::ProcessGroup*, std::pair<GroupPtr, GroupPtr>> groups;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto known = groups.find(mesh.world.get());
-    if (known != groups.end()) {
-      return known->second.second;
-    }
-  }
-  // Made without the lock: ranks that are threads of one process (tests) make theirs at once.
-  TORCH_CHECK(mesh.store,
-              "torch_mp::checkpoint::async_save: the mesh has no store to make the background "
-              "save's group over (make it with torch_mp::init or make_mesh)");
-  std::chrono::milliseconds timeout = std::chrono::minutes(30);
-  try {
-    timeout =
-        mesh.world->getBackend(c10d::ProcessGroup::BackendType::GLOO)->getBackendOptions()->timeout;
-  } catch (const std::exception&) {
-    // An NCCL world: the default timeout.
-  }
-  // Store keys of its own, agreed over the world (rank 0's clock).
-  const std::string name = "torch_mp/checkpoint/" + save_tag(mesh.world);
-  auto group = new_process_group(c10::make_intrusive<c10d::PrefixStore>(name, mesh.store),
-                                 static_cast<int>(mesh.rank),
-                                 static_cast<int>(mesh.shape.world_size()),
-                                 Backend::kGloo,
-                                 timeout,
-                                 "torch_mp/checkpoint");
-  std::lock_guard<std::mutex> lock(mutex);
-  groups[mesh.world.get()] = {mesh.world, group};
-  return group;
+  return {std::move(kept), std::move(plan.file), std::move(plan.files), std::move(metadata)};
 }
 
 void warn_if_unchecked(const Reader& reader) {
@@ -297,6 +236,40 @@ std::vector<at::Tensor> parameters_of(const std::vector<Stage>& stages) {
 }
 
 }  // namespace
+
+GroupPtr background_group(const GroupPtr& world, const StorePtr& store) {
+  static std::mutex mutex;
+  static std::map<const c10d::ProcessGroup*, std::pair<GroupPtr, GroupPtr>> groups;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto known = groups.find(world.get());
+    if (known != groups.end()) {
+      return known->second.second;
+    }
+  }
+  // Made without the lock: ranks that are threads of one process (tests) make theirs at once.
+  TORCH_CHECK(store,
+              "torch_mp::checkpoint::async_save: no store to make the background save's group "
+              "over (make the mesh with torch_mp::init or make_mesh)");
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  try {
+    timeout =
+        world->getBackend(c10d::ProcessGroup::BackendType::GLOO)->getBackendOptions()->timeout;
+  } catch (const std::exception&) {
+    // An NCCL world: the default timeout.
+  }
+  // Store keys of its own, agreed over the world (rank 0's clock).
+  const std::string name = "torch_mp/checkpoint/" + save_tag(world);
+  auto group = new_process_group(c10::make_intrusive<c10d::PrefixStore>(name, store),
+                                 world->getRank(),
+                                 world->getSize(),
+                                 Backend::kGloo,
+                                 timeout,
+                                 "torch_mp/checkpoint");
+  std::lock_guard<std::mutex> lock(mutex);
+  groups[world.get()] = {world, group};
+  return group;
+}
 
 void save(const std::string& path,
           const std::vector<Stage>& stages,
@@ -324,7 +297,7 @@ std::shared_ptr<AsyncSave> async_save(const std::string& path,
                                 request.files,
                                 request.metadata,
                                 {},
-                                background_group(*mesh));
+                                background_group(mesh->world, mesh->store));
 }
 
 std::map<std::string, std::string> load(const std::string& path,

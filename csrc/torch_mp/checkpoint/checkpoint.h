@@ -64,6 +64,11 @@ void save(const std::string& path,
           const std::map<std::string, std::string>& extra = {},
           std::shared_ptr<Mesh> mesh = nullptr);
 
+/// The group background saves over `world` use: a Gloo group over the world of their own (the
+/// save's collectives would interleave with training's on a shared one), made over `store` (the
+/// world's) once per world, with the world's timeout. Collective over the world the first time.
+GroupPtr background_group(const GroupPtr& world, const StorePtr& store);
+
 /// save in the background (async_save.h): what it will write is copied before it returns
 /// (to pinned CPU memory from a GPU), so training may change the parameters and the optimizer
 /// state at once; a thread then writes the copy, crash-safe as save. A save still running is

@@ -134,4 +134,9 @@ std::vector<std::pair<Box, std::vector<int64_t>>> boxes_of(const Shard& shard) {
   return out;
 }
 
+bool over_expert_group(const at::Tensor& parameter, const GroupPtr& ep_group) {
+  const auto layout = layout_of(parameter);
+  return ep_group && ep_group->getSize() > 1 && layout && layout->group == ep_group;
+}
+
 }  // namespace torch_mp::checkpoint

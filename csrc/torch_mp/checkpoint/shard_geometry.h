@@ -55,6 +55,11 @@ struct Shard {
   std::vector<int64_t> dense_shape() const;
 };
 
+/// Whether `parameter` lies over the expert group `ep_group` (a mixture of experts' experts or
+/// router): tensors that differ between the data ranks of one (pp, tp) when the group has more
+/// than one rank.
+bool over_expert_group(const at::Tensor& parameter, const GroupPtr& ep_group);
+
 /// A Shard named `name` of `tensor`, laid out as the layout recorded for `parameter` (itself, or
 /// the parameter an optimizer state tensor belongs to; see torch_mp/layout.h): whole, replicated
 /// over `default_group` (the tensor-parallel group), when none is recorded.

@@ -10,11 +10,11 @@
 #include <fstream>
 #include <iterator>
 
+#include "torch_mp/agreement.h"
 #include "torch_mp/checkpoint/async_save.h"
 #include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/index.h"
-#include "torch_mp/checkpoint/problems.h"
 
 namespace torch_mp::checkpoint {
 namespace {

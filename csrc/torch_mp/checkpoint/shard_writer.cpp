@@ -8,11 +8,11 @@
 
 #include <filesystem>
 
+#include "torch_mp/agreement.h"
 #include "torch_mp/checkpoint/async_save.h"
 #include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/index.h"
-#include "torch_mp/checkpoint/problems.h"
 #include "torch_mp/checkpoint/safetensors.h"
 
 namespace torch_mp::checkpoint {
@@ -81,6 +81,27 @@ void publish(const std::string& partial,
 }
 
 }  // namespace
+
+SavePlan plan_save(const SaveLayout& layout, const std::vector<bool>& over_experts) {
+  SavePlan plan;
+  for (int64_t pp = 0; pp < layout.pp_size; ++pp) {
+    for (int64_t t = 0; t < layout.tp_size; ++t) {
+      for (int64_t e = 0; e < layout.ep_size; ++e) {
+        plan.files.push_back(shard_file(pp, t, e));
+      }
+    }
+  }
+  if (layout.place >= layout.ep_size) {  // a replica of place (place mod ep)
+    return plan;
+  }
+  plan.file = shard_file(layout.pp_rank, layout.tp_rank, layout.place);
+  for (size_t i = 0; i < over_experts.size(); ++i) {
+    if (layout.place == 0 || over_experts[i]) {  // beyond place 0: its experts only
+      plan.kept.push_back(i);
+    }
+  }
+  return plan;
+}
 
 std::string shard_file(int64_t pp, int64_t tp, int64_t expert_place) {
   return "shard-" + std::to_string(pp) + "-" + std::to_string(tp) +

@@ -23,6 +23,31 @@ inline bool writes(const Shard& shard) { return shard.dim.has_value() || shard.r
 /// that (pp, tp) writes).
 std::string shard_file(int64_t pp, int64_t tp, int64_t expert_place = 0);
 
+/// Where a rank of a layout sits, as a save plans its files.
+struct SaveLayout {
+  int64_t pp_size = 1, tp_size = 1, ep_size = 1;
+  int64_t pp_rank = 0, tp_rank = 0;
+  /// Its place in its data x context group: dp_rank * cp_size + cp_rank.
+  int64_t place = 0;
+};
+
+/// What a rank's save writes.
+struct SavePlan {
+  /// This rank's file; none for a replica.
+  std::optional<std::string> file;
+  /// Every file of the checkpoint.
+  std::vector<std::string> files;
+  /// Which of the rank's shards go into its file (their indices, in order).
+  std::vector<size_t> kept;
+};
+
+/// The save plan of a rank at `layout` whose shards lie, or not, over the expert group
+/// (`over_experts`, one per shard): place 0 of each (pp, tp)'s data x context group writes
+/// everything it holds; with ep > 1 places 1 .. ep - 1 (the other ranks of its expert group)
+/// write their experts only, into files of their own; the other places are replicas and write
+/// nothing.
+SavePlan plan_save(const SaveLayout& layout, const std::vector<bool>& over_experts);
+
 /// Writes the checkpoint directory `path`: this rank's `shards` into `file` (none when nullopt:
 /// a data-parallel replica), then, on rank 0 of `group`, `root_files` (name -> contents) and
 /// `index.json` listing `files` (every shard file the checkpoint has) with `metadata`.

@@ -21,11 +21,11 @@
 //   shard_reader.h    Reader: the blocks that overlap what a rank holds; consolidate
 //   async_save.h      save in the background, from a snapshot
 //   verify.h          a whole checkpoint checked against its checksums (checksum.h: CRC-32C)
-//   problems.h        a problem on one rank raised on every rank (collect_problems)
+//   (../agreement.h   a problem on one rank raised on every rank: collect_problems)
 //   index.h           index.json;   atomic_files.h: the temporary directory and its renames
 
+#include "torch_mp/agreement.h"                  // IWYU pragma: export
 #include "torch_mp/checkpoint/async_save.h"      // IWYU pragma: export
-#include "torch_mp/checkpoint/problems.h"        // IWYU pragma: export
 #include "torch_mp/checkpoint/safetensors.h"     // IWYU pragma: export
 #include "torch_mp/checkpoint/shard_geometry.h"  // IWYU pragma: export
 #include "torch_mp/checkpoint/shard_reader.h"    // IWYU pragma: export

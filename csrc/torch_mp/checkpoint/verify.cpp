@@ -11,10 +11,10 @@
 #include <iterator>
 #include <thread>
 
+#include "torch_mp/agreement.h"
 #include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/index.h"
-#include "torch_mp/checkpoint/problems.h"
 #include "torch_mp/checkpoint/safetensors.h"
 
 namespace torch_mp::checkpoint {
@@ -29,13 +29,6 @@ struct FileToCheck {
   std::string name;  // as reported
   bool root = false;
 };
-
-std::string text_of(const std::exception& e) {
-  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
-    return error->what_without_backtrace();
-  }
-  return e.what();
-}
 
 // The dense name of the tensor stored under `key` ("<name>@<dim>:<start>" or "<name>").
 std::string tensor_of(const std::string& key) { return key.substr(0, key.rfind('@')); }

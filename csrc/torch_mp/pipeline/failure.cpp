@@ -120,13 +120,6 @@ std::string string_in(const at::Tensor& text) {
 
 }  // namespace
 
-std::string text_of(const std::exception& e) {
-  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
-    return error->what_without_backtrace();
-  }
-  return e.what();
-}
-
 PeerFailure failure_of(const std::exception& e,
                        const ActionPlan& plan,
                        size_t index,

@@ -25,15 +25,13 @@
 #include <string>
 #include <vector>
 
+#include "torch_mp/agreement.h"  // text_of
 #include "torch_mp/pipeline/action_plan.h"
 #include "torch_mp/pipeline/mailbox.h"
 #include "torch_mp/pipeline/p2p.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::pipeline {
-
-/// An exception's text without its C++ backtrace.
-std::string text_of(const std::exception& e);
 
 /// The failure that `e`, raised at `index` of `plan.actions` on `rank`, means: named by rank,
 /// stage, micro-batch and action (and by the peer, for communication errors). An index past the

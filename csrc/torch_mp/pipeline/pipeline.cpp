@@ -3,9 +3,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstring>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/comm.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
 #include "torch_mp/data_parallel/sharded_gradient_sync.h"
 #include "torch_mp/layout.h"
@@ -202,6 +204,39 @@ std::optional<at::Tensor> Pipeline::step(const std::vector<at::Tensor>& inputs,
 std::pair<std::vector<at::Tensor>, std::optional<at::Tensor>> Pipeline::eval_step(
     const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) {
   return executor_->eval_step(split(inputs), split(targets));
+}
+
+std::optional<std::vector<TimedAction>> Pipeline::gathered_trace() const {
+  // Each rank's actions as rows [rank, kind, stage, micro-batch, start, end], in one text.
+  std::string mine(trace().size() * sizeof(double) * 6, '\0');
+  auto* row = reinterpret_cast<double*>(mine.data());
+  for (const auto& t : trace()) {
+    const double values[] = {static_cast<double>(t.rank),
+                             static_cast<double>(t.action.kind),
+                             static_cast<double>(t.action.stage),
+                             static_cast<double>(t.action.microbatch),
+                             t.start,
+                             t.end};
+    std::copy(std::begin(values), std::end(values), row);
+    row += 6;
+  }
+  const auto& group = executor_->group();
+  const auto all = comm::all_gather_text(mine, group);
+  if (group->getRank() != 0) {
+    return std::nullopt;
+  }
+  std::vector<TimedAction> out;
+  for (const auto& text : all) {
+    std::vector<double> values(text.size() / sizeof(double));
+    std::memcpy(values.data(), text.data(), values.size() * sizeof(double));
+    for (size_t i = 0; i + 6 <= values.size(); i += 6) {
+      const Action action{static_cast<ActionKind>(static_cast<int>(values[i + 1])),
+                          static_cast<int64_t>(values[i + 2]),
+                          static_cast<int64_t>(values[i + 3])};
+      out.push_back({static_cast<int64_t>(values[i]), action, values[i + 4], values[i + 5]});
+    }
+  }
+  return out;
 }
 
 }  // namespace torch_mp::pipeline

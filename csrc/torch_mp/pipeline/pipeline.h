@@ -90,6 +90,10 @@ class Pipeline {
   bool ordered() const { return executor_->ordered(); }
   /// This rank's actions in the last step, with wall-clock times in seconds.
   const std::vector<TimedAction>& trace() const { return executor_->trace(); }
+  /// Every pipeline rank's trace of the last step, on the pipeline group's first rank (nullopt
+  /// on the others): a collective over the pipeline group. Each rank's times count from its own
+  /// start of the step.
+  std::optional<std::vector<TimedAction>> gathered_trace() const;
 
  private:
   std::vector<std::vector<at::Tensor>> split(const std::vector<at::Tensor>& batch) const;
