@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import torch_mp
-from torch_mp import collectives, dense
+from torch_mp import dense, functional
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,7 +70,7 @@ class Gathered(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
-        everyone = collectives.gather_from_sp(x, group=self.group)  # backward reduce-scatters
+        everyone = functional.gather_from_sp(x, group=self.group)  # backward reduce-scatters
         reference = dense.MoE(1, 1, moe.num_experts, moe.top_k)  # (routing only)
         reference.router = moe.router
         chosen, weights, _ = reference.route(everyone)
@@ -81,7 +81,7 @@ class Gathered(torch.nn.Module):
             rows, slots = (chosen == first + i).nonzero(as_tuple=True)
             out = moe.experts.expert(i, everyone[rows]) * weights[rows, slots, None]
             y = y.index_add(0, rows, out)
-        return collectives.reduce_scatter_to_sp(y, group=self.group)
+        return functional.reduce_scatter_to_sp(y, group=self.group)
 
 
 def main() -> None:

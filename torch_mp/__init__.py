@@ -25,11 +25,11 @@ from torch_mp import (
     tensor_parallel,
 )
 from torch_mp.check_finite import check_finite
-from torch_mp.clip_grad import clip_grad_norm_
 from torch_mp.data_parallel import DataParallel
 from torch_mp.layout import ParameterLayout, layout_of, set_layout
 from torch_mp.mesh import Mesh, get_mesh, init, set_mesh
 from torch_mp.optim import DistributedOptimizer, GradScaler
+from torch_mp.optim.clip_grad import clip_grad_norm_
 from torch_mp.parallelize import parallelize
 from torch_mp.recompute import recompute
 from torch_mp.tensor_parallel import (

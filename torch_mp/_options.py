@@ -26,8 +26,6 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from torch_mp import _C
 
 _KINDS = {
@@ -73,10 +71,10 @@ class Declaration:
         )
 
     @staticmethod
-    def parameter(option: Option, kind=None) -> inspect.Parameter:
+    def parameter(option: Option) -> inspect.Parameter:
         """``option`` as a Python parameter (a group's default is None)."""
         default = inspect.Parameter.empty if option.required else option.default
-        return inspect.Parameter(option.name, kind or _KINDS[option.kind], default=default)
+        return inspect.Parameter(option.name, _KINDS[option.kind], default=default)
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The options ``args`` and ``kwargs`` give (defaults filled in), as the constructor
@@ -112,6 +110,10 @@ class DeclaredOptions:
     # Options given by position to from_dense after the dense module, in this order (the rest
     # by keyword): each layer's established from_dense signature.
     _FROM_DENSE_POSITIONAL: tuple[str, ...] = ("group",)
+    # Options that name a parameter of the module itself: the option is the parameter's presence.
+    _PARAMETER_OPTIONS: frozenset[str] = frozenset()
+    # Options kept under another attribute (where the option's name is a submodule's).
+    _ATTRIBUTES: dict[str, str] = {}
     __signature__ = _ClassSignature()
 
     def __init_subclass__(cls, declared: str | None = None, **kwargs) -> None:
@@ -136,11 +138,6 @@ class DeclaredOptions:
     def _is_parameter_option(self, name: str) -> bool:
         """Whether option ``name`` is whether a parameter of that name exists (``bias``)."""
         return name in type(self)._PARAMETER_OPTIONS
-
-    # Options that name a parameter of the module itself: the option is the parameter's presence.
-    _PARAMETER_OPTIONS: frozenset[str] = frozenset()
-    # Options kept under another attribute (where the option's name is a submodule's).
-    _ATTRIBUTES: dict[str, str] = {}
 
     def _check_options(self, options: dict[str, Any]) -> None:
         """The core's construction-time check of ``options`` (sizes, rank agreement)."""
@@ -223,8 +220,3 @@ class DeclaredOptions:
             if name not in cls._declaration.names:
                 raise TypeError(f"{cls.__name__}.from_dense: no option '{name}'")
         return cls(**taken, **given, device="meta")
-
-
-def group_name(group: dist.ProcessGroup | None) -> str:
-    """A group as the core takes it: by name, "" for none."""
-    return "" if group is None else group.group_name

@@ -6,10 +6,10 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "python/common.h"
-#include "torch_mp/clip_grad.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
 #include "torch_mp/data_parallel/sharded_gradient_sync.h"
 #include "torch_mp/layout.h"
+#include "torch_mp/optim/clip_grad.h"
 
 namespace py = pybind11;
 

@@ -25,8 +25,8 @@
 
 namespace torch_mp::python {
 
-/// What Python needs of one layer's declaration.
-struct LayerBinding {
+/// What Python needs of one layer's declaration (hidden, as pybind11's own types are).
+struct __attribute__((visibility("hidden"))) LayerBinding {
   std::vector<options::Declared> declared;
   /// Runs the layer's check on options given by name (groups by name).
   std::function<void(const pybind11::dict&)> check;
@@ -117,7 +117,7 @@ pybind11::dict options_to_python(const Options& options) {
 
 /// One layer a layer is made of: the attribute that holds it and its options.
 template <typename Options>
-struct ChildBinding {
+struct __attribute__((visibility("hidden"))) ChildBinding {
   std::string attribute;
   std::function<pybind11::dict(const Options&)> options;
 };

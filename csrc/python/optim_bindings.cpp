@@ -1,5 +1,5 @@
 // pybind11 bindings of the distributed optimizer's sharding (csrc/torch_mp/optim/
-// parameter_shards.h) and of loss scaling (csrc/torch_mp/grad_scaler.h) as torch_mp._C.optim;
+// parameter_shards.h) and of loss scaling (csrc/torch_mp/optim/grad_scaler.h) as torch_mp._C.optim;
 // torch_mp.DistributedOptimizer and torch_mp.GradScaler are built on them. Argument conversion
 // only.
 
@@ -8,7 +8,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "python/common.h"
-#include "torch_mp/grad_scaler.h"
+#include "torch_mp/optim/grad_scaler.h"
 #include "torch_mp/optim/parameter_shards.h"
 
 namespace py = pybind11;

@@ -15,7 +15,7 @@
 #include "torch_mp/pipeline/pipeline.h"
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/pipeline/simulate.h"
-#include "torch_mp/pipeline/split_backward.h"
+#include "torch_mp/split_backward.h"
 
 namespace py = pybind11;
 

@@ -8,13 +8,17 @@
 
 #include "python/common.h"
 #include "python/layer_bindings.h"
-#include "torch_mp/tensor_parallel/blocks.h"
+#include "torch_mp/random.h"
+#include "torch_mp/tensor_parallel/attention.h"
 #include "torch_mp/tensor_parallel/conv.h"
+#include "torch_mp/tensor_parallel/conv_block.h"
 #include "torch_mp/tensor_parallel/cross_entropy.h"
 #include "torch_mp/tensor_parallel/embedding.h"
+#include "torch_mp/tensor_parallel/layer_norm.h"
 #include "torch_mp/tensor_parallel/linear.h"
-#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/tensor_parallel/mlp.h"
 #include "torch_mp/tensor_parallel/sharding.h"
+#include "torch_mp/tensor_parallel/transformer_layer.h"
 
 namespace py = pybind11;
 namespace tp = torch_mp::tensor_parallel;
@@ -26,7 +30,7 @@ void bind_random(py::module_& m) {
   m.def(
       "rng_add",
       [](const std::string& name, uint64_t seed, const std::string& device) {
-        tp::rng_tracker().add(name, seed, c10::Device(device));
+        rng_tracker().add(name, seed, c10::Device(device));
       },
       py::arg("name"),
       py::arg("seed"),
@@ -34,27 +38,27 @@ void bind_random(py::module_& m) {
   m.def(
       "rng_has",
       [](const std::string& name, const std::string& device) {
-        return tp::rng_tracker().has(name, c10::Device(device));
+        return rng_tracker().has(name, c10::Device(device));
       },
       py::arg("name"),
       py::arg("device"));
-  m.def("rng_reset", [] { tp::rng_tracker().reset(); });
-  m.def("rng_states", [] { return tp::rng_tracker().states(); });
+  m.def("rng_reset", [] { rng_tracker().reset(); });
+  m.def("rng_states", [] { return rng_tracker().states(); });
   m.def(
       "rng_set_states",
-      [](tp::RngTracker::States states) { tp::rng_tracker().set_states(std::move(states)); },
+      [](RngTracker::States states) { rng_tracker().set_states(std::move(states)); },
       py::arg("states"));
   m.def(
       "rng_swap_in",
       [](const std::string& name, const std::string& device) {
-        return tp::rng_tracker().swap_in(name, c10::Device(device));
+        return rng_tracker().swap_in(name, c10::Device(device));
       },
       py::arg("name"),
       py::arg("device"));
   m.def(
       "rng_swap_out",
       [](const std::string& name, const std::string& device, const at::Tensor& default_state) {
-        tp::rng_tracker().swap_out(name, c10::Device(device), default_state);
+        rng_tracker().swap_out(name, c10::Device(device), default_state);
       },
       py::arg("name"),
       py::arg("device"),
@@ -62,12 +66,12 @@ void bind_random(py::module_& m) {
   m.def(
       "model_parallel_manual_seed",
       [](uint64_t seed, const std::string& group, const std::string& device) {
-        tp::model_parallel_manual_seed(seed, resolve(group), c10::Device(device));
+        model_parallel_manual_seed(seed, resolve(group), c10::Device(device));
       },
       py::arg("seed"),
       py::arg("group"),
       py::arg("device"));
-  m.attr("MODEL_PARALLEL_RNG") = tp::kModelParallelRng;
+  m.attr("MODEL_PARALLEL_RNG") = kModelParallelRng;
 }
 
 void bind_sharding(py::module_& m) {

@@ -16,8 +16,8 @@
 #include <optional>
 #include <utility>
 
-#include "torch_mp/pipeline/split_backward.h"
-#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/random.h"
+#include "torch_mp/split_backward.h"
 
 namespace torch_mp {
 
@@ -36,7 +36,7 @@ RandomState RandomState::capture(const std::vector<c10::Device>& devices) {
     std::lock_guard<std::mutex> lock(generator.mutex());
     state.generators_.emplace_back(device, generator.get_state());
   }
-  state.tracker_ = tensor_parallel::rng_tracker().states();
+  state.tracker_ = rng_tracker().states();
   return state;
 }
 
@@ -46,7 +46,7 @@ void RandomState::restore() const {
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(saved);
   }
-  tensor_parallel::rng_tracker().set_states(tracker_);
+  rng_tracker().set_states(tracker_);
 }
 
 // ---- where a tracker draw is safe ------------------------------------------------------------
@@ -112,11 +112,11 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // What the backward needs besides the inputs: the function, the streams it started from, and,
-// between a zero-bubble B and W, the recomputed graph's weight work (pipeline/split_backward.h).
+// between a zero-bubble B and W, the recomputed graph's weight work (split_backward.h).
 struct Replay : torch::CustomClassHolder {
   RecomputeFunction fn;
   RandomState state;
-  std::optional<pipeline::WeightWork> weight_work;
+  std::optional<WeightWork> weight_work;
   variable_list weight_leaves;  // the recomputed graph's leaves W accumulates into
 };
 
@@ -185,7 +185,7 @@ struct Recompute : torch::autograd::Function<Recompute> {
     }
     variable_list result(saved.size() + 1);  // result[0]: fn's
     if (replay.weight_work) {                // W after B
-      pipeline::backward_weight(*replay.weight_work);
+      backward_weight(*replay.weight_work);
       replay.weight_work.reset();
       for (size_t i = 0; i < saved.size(); ++i) {
         if (wanted[i]) {
@@ -216,8 +216,8 @@ struct Recompute : torch::autograd::Function<Recompute> {
     if (later.empty()) {
       torch::autograd::backward(roots, root_grads);
     } else {
-      pipeline::WeightWork work;
-      const auto input_grads = pipeline::backward_input(roots, root_grads, now, later, work);
+      WeightWork work;
+      const auto input_grads = backward_input(roots, root_grads, now, later, work);
       for (size_t i = 0, j = 0; i < saved.size(); ++i) {
         if (wanted[i]) {
           leaves[i].mutable_grad() = input_grads[j++];

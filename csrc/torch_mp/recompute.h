@@ -66,7 +66,7 @@ using RecomputeFunction = std::function<std::vector<at::Tensor>(const std::vecto
 /// all gradients, dropout in tensor-parallel regions included. fn must take and return tensors
 /// only, and read nothing else that changes between the forward and the backward.
 ///
-/// Under the zero-bubble split (pipeline/split_backward.h) B asks for the activation path's
+/// Under the zero-bubble split (split_backward.h) B asks for the activation path's
 /// gradients only: the node recomputes once, runs the recomputed graph's B and keeps its weight
 /// work, which W then runs. A backward that asks for some inputs' gradients only keeps that work
 /// (and the recomputed graph) until the node is freed.

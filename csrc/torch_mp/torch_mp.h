@@ -4,7 +4,6 @@
 #include "torch_mp/agreement.h"                            // IWYU pragma: export
 #include "torch_mp/checkpoint/checkpoint.h"                // IWYU pragma: export
 #include "torch_mp/checkpoint/safetensors.h"               // IWYU pragma: export
-#include "torch_mp/clip_grad.h"                            // IWYU pragma: export
 #include "torch_mp/collectives.h"                          // IWYU pragma: export
 #include "torch_mp/comm.h"                                 // IWYU pragma: export
 #include "torch_mp/context_parallel/all_to_all.h"          // IWYU pragma: export
@@ -15,13 +14,15 @@
 #include "torch_mp/data_parallel/shard_layout.h"           // IWYU pragma: export
 #include "torch_mp/data_parallel/sharded_gradient_sync.h"  // IWYU pragma: export
 #include "torch_mp/dense.h"                                // IWYU pragma: export
-#include "torch_mp/grad_scaler.h"                          // IWYU pragma: export
 #include "torch_mp/layout.h"                               // IWYU pragma: export
 #include "torch_mp/mesh.h"                                 // IWYU pragma: export
+#include "torch_mp/moe/dense_moe.h"                        // IWYU pragma: export
 #include "torch_mp/moe/dispatch.h"                         // IWYU pragma: export
 #include "torch_mp/moe/moe.h"                              // IWYU pragma: export
 #include "torch_mp/moe/router.h"                           // IWYU pragma: export
+#include "torch_mp/optim/clip_grad.h"                      // IWYU pragma: export
 #include "torch_mp/optim/distributed_optimizer.h"          // IWYU pragma: export
+#include "torch_mp/optim/grad_scaler.h"                    // IWYU pragma: export
 #include "torch_mp/optim/parameter_shards.h"               // IWYU pragma: export
 #include "torch_mp/pipeline/executor.h"                    // IWYU pragma: export
 #include "torch_mp/pipeline/partition.h"                   // IWYU pragma: export
@@ -31,6 +32,7 @@
 #include "torch_mp/plan/estimate.h"                        // IWYU pragma: export
 #include "torch_mp/plan/time.h"                            // IWYU pragma: export
 #include "torch_mp/process_groups.h"                       // IWYU pragma: export
+#include "torch_mp/random.h"                               // IWYU pragma: export
 #include "torch_mp/recompute.h"                            // IWYU pragma: export
 #include "torch_mp/tensor_parallel/attention.h"            // IWYU pragma: export
 #include "torch_mp/tensor_parallel/conv.h"                 // IWYU pragma: export
@@ -40,6 +42,5 @@
 #include "torch_mp/tensor_parallel/layer_norm.h"           // IWYU pragma: export
 #include "torch_mp/tensor_parallel/linear.h"               // IWYU pragma: export
 #include "torch_mp/tensor_parallel/mlp.h"                  // IWYU pragma: export
-#include "torch_mp/tensor_parallel/random.h"               // IWYU pragma: export
 #include "torch_mp/tensor_parallel/sharding.h"             // IWYU pragma: export
 #include "torch_mp/tensor_parallel/transformer_layer.h"    // IWYU pragma: export

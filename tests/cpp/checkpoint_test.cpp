@@ -23,8 +23,12 @@
 #include "thread_world.h"
 #include "torch_mp/checkpoint/safetensors.h"
 #include "torch_mp/layout.h"
-#include "torch_mp/tensor_parallel/blocks.h"
+#include "torch_mp/tensor_parallel/attention.h"
+#include "torch_mp/tensor_parallel/conv_block.h"
 #include "torch_mp/tensor_parallel/embedding.h"
+#include "torch_mp/tensor_parallel/layer_norm.h"
+#include "torch_mp/tensor_parallel/mlp.h"
+#include "torch_mp/tensor_parallel/transformer_layer.h"
 
 namespace torch_mp::checkpoint {
 namespace {

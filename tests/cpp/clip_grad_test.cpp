@@ -2,7 +2,7 @@
 // model: column and row shards summed over the tensor group, replicated parameters counted once,
 // pipeline stages combined. Ranks are threads over real Gloo groups.
 
-#include "torch_mp/clip_grad.h"
+#include "torch_mp/optim/clip_grad.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -19,9 +19,9 @@
 #include "thread_world.h"
 #include "torch_mp/checkpoint/checkpoint.h"
 #include "torch_mp/checkpoint/safetensors.h"
-#include "torch_mp/clip_grad.h"
 #include "torch_mp/comm.h"
 #include "torch_mp/data_parallel/data_parallel.h"
+#include "torch_mp/optim/clip_grad.h"
 
 namespace torch_mp {
 namespace {

@@ -3,7 +3,7 @@
 // grow the scale after growth_interval of them; misuse is refused. Ranks are threads over real
 // Gloo groups.
 
-#include "torch_mp/grad_scaler.h"
+#include "torch_mp/optim/grad_scaler.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -1,6 +1,6 @@
 // RngTracker: a named stream stands in for the default CPU generator inside a fork.
 
-#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/random.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -10,7 +10,7 @@
 namespace torch_mp {
 namespace {
 
-using tensor_parallel::RngTracker;
+using torch_mp::RngTracker;
 
 TEST(RngTracker, ForkDrawsFromTheStreamAndRestoresTheDefault) {
   RngTracker tracker;

@@ -12,15 +12,15 @@
 #include <vector>
 
 #include "tensor_checks.h"
-#include "torch_mp/pipeline/split_backward.h"
-#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/random.h"
+#include "torch_mp/split_backward.h"
 
 namespace torch_mp {
 namespace {
 
-using tensor_parallel::kModelParallelRng;
-using tensor_parallel::region_dropout;
-using tensor_parallel::rng_tracker;
+using torch_mp::kModelParallelRng;
+using torch_mp::region_dropout;
+using torch_mp::rng_tracker;
 
 struct Run {
   at::Tensor output, input_grad, weight_grad, drawn_before_backward, drawn_after_backward;
@@ -76,12 +76,12 @@ TEST(Recompute, UnderTheZeroBubbleSplitItRecomputesOnceAndGivesEachGradientOnce)
       return region(in);
     };
     const auto y = recomputed ? recompute(counted, {x, w})[0] : counted({x, w})[0];
-    pipeline::WeightWork work;
+    WeightWork work;
     const auto dy = at::ones_like(y);
-    const auto dx = pipeline::backward_input({y}, {dy}, {x}, {w}, work)[0];
+    const auto dx = backward_input({y}, {dy}, {x}, {w}, work)[0];
     const int after_b = runs;
     EXPECT_FALSE(w.grad().defined()) << "B computes no weight gradient";
-    pipeline::backward_weight(work);
+    backward_weight(work);
     EXPECT_EQ(runs, after_b) << "W recomputes nothing";
     rng_tracker().reset();
     return std::vector<at::Tensor>{y.detach(), dx, w.grad()};

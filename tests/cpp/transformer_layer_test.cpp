@@ -15,8 +15,8 @@
 #include "tensor_checks.h"
 #include "tensor_parallel_fixture.h"
 #include "thread_world.h"
-#include "torch_mp/pipeline/split_backward.h"
-#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/random.h"
+#include "torch_mp/split_backward.h"
 
 namespace torch_mp {
 namespace {
@@ -157,8 +157,8 @@ struct RecomputeCase {
 // input gradient and every parameter's gradient.
 std::vector<at::Tensor> layer_step(const Mesh& mesh, const RecomputeCase& c) {
   at::manual_seed(5);
-  tensor_parallel::rng_tracker().reset();
-  tensor_parallel::rng_tracker().add(tensor_parallel::kModelParallelRng, 11);
+  torch_mp::rng_tracker().reset();
+  torch_mp::rng_tracker().add(torch_mp::kModelParallelRng, 11);
   auto dense = seeded_pre_ln_layer();
   dense->options.dropout(c.dropout);
   auto layer = ParallelTransformerLayerImpl::from_dense(
@@ -172,9 +172,9 @@ std::vector<at::Tensor> layer_step(const Mesh& mesh, const RecomputeCase& c) {
   const at::Tensor y = layer->forward(x, at::Tensor(), /*is_causal=*/true);
   std::vector<at::Tensor> out{y.detach()};
   if (c.split) {
-    pipeline::WeightWork work;
-    out.push_back(pipeline::backward_input({y}, {upstream}, {x}, layer->parameters(), work)[0]);
-    pipeline::backward_weight(work);
+    WeightWork work;
+    out.push_back(backward_input({y}, {upstream}, {x}, layer->parameters(), work)[0]);
+    backward_weight(work);
   } else {
     y.backward(upstream);
     out.push_back(x.grad());
@@ -182,7 +182,7 @@ std::vector<at::Tensor> layer_step(const Mesh& mesh, const RecomputeCase& c) {
   for (const auto& p : layer->parameters()) {
     out.push_back(p.grad());
   }
-  tensor_parallel::rng_tracker().reset();
+  torch_mp::rng_tracker().reset();
   return out;
 }
 

@@ -1,4 +1,4 @@
-"""Zero-bubble split backward (csrc/torch_mp/pipeline/split_backward.h): B and W each do their own
+"""Zero-bubble split backward (csrc/torch_mp/split_backward.h): B and W each do their own
 share of a backward once, and stay exact when a parameter is shared inside a stage."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import torch_mp
-from torch_mp import collectives, context_parallel
+from torch_mp import context_parallel, functional
 from torch_mp._group import SharesGroup
 
 __all__ = [
@@ -253,8 +253,9 @@ class GPTStage(SharesGroup, nn.Module):
     positions), so that ``s`` above is the part's ``s / cp``; :meth:`loss` takes the whole
     targets and keeps the same part.
 
-    With MoE layers (``dense.config.moe_experts``; their experts over ``expert_group``, the
-    default mesh's ``ep_group`` when None) every stage also returns the sum of the
+    Its layers are split over ``group``, the tensor-parallel group (the default mesh's when
+    None). With MoE layers (``dense.config.moe_experts``; their experts over ``expert_group``,
+    the default mesh's ``ep_group`` when None) every stage also returns the sum of the
     load-balancing losses so far, ``[1]``, and the stages after the first take it as their
     second input: ``(x, aux_loss)`` in and out, ``loss(logits, aux_loss, target)`` at the end.
     Sequence and context parallelism and recomputation are refused with them.
@@ -271,8 +272,10 @@ class GPTStage(SharesGroup, nn.Module):
         context_group: dist.ProcessGroup | None = None,
         context_method: str = "ring",
         expert_group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        self.group = group
         self.first, self.last, self.sequence_parallel = first, last, sequence_parallel
         self.context_group = context_group
         self.vocab = dense.config.vocab
@@ -288,13 +291,14 @@ class GPTStage(SharesGroup, nn.Module):
                 if given:
                     raise ValueError(f"GPTStage: MoE layers do not support {setting} yet")
         if first:
-            self.tok = torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
+            self.tok = torch_mp.VocabParallelEmbedding.from_dense(dense.tok, group)
             self.pos = copy.deepcopy(dense.pos)  # replicated on every rank
         self.layers = nn.ModuleList(
-            ParallelMoELayer(dense.layers[i], expert_group=expert_group)
+            ParallelMoELayer(dense.layers[i], group, expert_group=expert_group)
             if self.moe
             else torch_mp.ParallelTransformerLayer.from_dense(
                 dense.layers[i],
+                group,
                 sequence_parallel=sequence_parallel,
                 recompute=recompute,
                 context_parallel=context_group is not None,
@@ -305,11 +309,13 @@ class GPTStage(SharesGroup, nn.Module):
         )
         if last:
             self.norm = torch_mp.tensor_parallel.LayerNorm.from_dense(
-                dense.norm, sequence_parallel=sequence_parallel
+                dense.norm, sequence_parallel=sequence_parallel, group=group
             )
             # One stage holds both ends: the head is the embedding itself. Otherwise a copy,
             # tied to the first stage's through Pipeline(tied_parameters=...).
-            self.head = self.tok if first else torch_mp.VocabParallelEmbedding.from_dense(dense.tok)
+            self.head = (
+                self.tok if first else torch_mp.VocabParallelEmbedding.from_dense(dense.tok, group)
+            )
 
     def forward(
         self, x: torch.Tensor, aux_loss: torch.Tensor | None = None
@@ -330,7 +336,7 @@ class GPTStage(SharesGroup, nn.Module):
             if self.sequence_parallel:
                 # This rank's chunk of the sequence; scatter_to_tp (not a plain chunk) gives the
                 # tables the whole sequence's gradient (its backward all-gathers).
-                x = collectives.scatter_to_tp(x, dim=0)
+                x = functional.scatter_to_tp(x, group=self.group, dim=0)
         for layer in self.layers:
             if self.moe:
                 x, layer_aux = layer(x, is_causal=True)
@@ -342,9 +348,9 @@ class GPTStage(SharesGroup, nn.Module):
             # Into the vocab-parallel head: under sequence parallelism gather the sequence back
             # (backward reduce-scatters), otherwise copy_to_tp (backward all-reduces).
             h = (
-                collectives.gather_from_sp(h)
+                functional.gather_from_sp(h, group=self.group)
                 if self.sequence_parallel
-                else collectives.copy_to_tp(h)
+                else functional.copy_to_tp(h, group=self.group)
             )
             x = h @ self.head.weight.T
         return (x, aux_loss) if self.moe else x
@@ -367,6 +373,7 @@ class GPTStage(SharesGroup, nn.Module):
         loss = torch_mp.vocab_parallel_cross_entropy(
             logits.float(),
             target,
+            group=self.group,
             vocab_size=self.vocab,
             context_parallel=self.context_group is not None,
             context_group=self.context_group,
@@ -417,6 +424,7 @@ def build_stages(
             context_group=mesh.cp_group if mesh.cp_size > 1 else None,
             context_method=context_method,
             expert_group=mesh.ep_group if dense.config.moe_experts else None,
+            group=mesh.tp_group,
         )
         for s in range(mesh.pp_rank, num_stages, mesh.pp_size)
     ]

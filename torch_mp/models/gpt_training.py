@@ -205,12 +205,14 @@ class Trainer3D:
         at once (``wait()`` for it)."""
         renames = [stage.dense_names() for stage in self.stages]
         save = checkpoint.async_save if background else checkpoint.save
-        return save(path, self.stages, self.optimizer, {"step": step}, rename=renames)
+        return save(
+            path, self.stages, self.optimizer, {"step": step}, rename=renames, mesh=self.mesh
+        )
 
     def load(self, path: str) -> int:
         """Loads a checkpoint saved at any layout; returns the step it was saved after."""
         renames = [stage.dense_names() for stage in self.stages]
-        extra = checkpoint.load(path, self.stages, self.optimizer, rename=renames)
+        extra = checkpoint.load(path, self.stages, self.optimizer, rename=renames, mesh=self.mesh)
         self.steps_done = int(extra["step"])
         return self.steps_done
 

@@ -1,5 +1,5 @@
 """Dynamic loss scaling for fp16 training over the mesh (the C++ core's
-csrc/torch_mp/grad_scaler.h): ``torch.amp.GradScaler``'s interface and algorithm, with the
+csrc/torch_mp/optim/grad_scaler.h): ``torch.amp.GradScaler``'s interface and algorithm, with the
 overflow check agreed by every rank of the model, so that an inf or NaN in one tensor shard, one
 pipeline stage or one data rank's gradient pieces skips the step everywhere, as it would on one
 process::

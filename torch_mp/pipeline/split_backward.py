@@ -1,5 +1,5 @@
 """The zero-bubble split of a backward into B (input gradients) and W (weight gradients), each
-doing its own share of the work once (the C++ core's csrc/torch_mp/pipeline/split_backward.h).
+doing its own share of the work once (the C++ core's csrc/torch_mp/split_backward.h).
 
 The Pipeline runs it for the zero-bubble schedules; it is exposed for custom executors and for
 measuring what the split costs::

@@ -4,7 +4,6 @@ tests and docs/plan.md hold :func:`torch_mp.plan.estimate` to these numbers."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import statistics
@@ -96,7 +95,7 @@ def measure(
     )
     build, tokens = _gpt_run(model, layout, steps)
     gc.collect()
-    with _default_mesh(mesh), PeakMemory() as memory:
+    with PeakMemory() as memory:
         trainer = build(mesh)
         for batch_tokens in tokens:
             trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
@@ -150,15 +149,14 @@ def measure_time(
     )
     build, tokens = _gpt_run(model, layout, warmup + steps)
     seconds = []
-    with _default_mesh(mesh):
-        trainer = build(mesh)
-        for i, batch_tokens in enumerate(tokens):
-            _C.barrier(dist.group.WORLD.group_name)
-            start = time.perf_counter()
-            trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
-            _C.barrier(dist.group.WORLD.group_name)
-            if i >= warmup:
-                seconds.append(time.perf_counter() - start)
+    trainer = build(mesh)
+    for i, batch_tokens in enumerate(tokens):
+        _C.barrier(dist.group.WORLD.group_name)
+        start = time.perf_counter()
+        trainer.step(batch_tokens[:, :-1], batch_tokens[:, 1:])
+        _C.barrier(dist.group.WORLD.group_name)
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
 
 
@@ -166,17 +164,6 @@ def _check_mesh(mesh, sizes: dict, who: str) -> None:
     have = {d: getattr(mesh, f"{d}_size") for d in sizes}
     if have != sizes:
         raise ValueError(f"{who}: the mesh is {have}, the layout asks for {sizes}")
-
-
-@contextlib.contextmanager
-def _default_mesh(mesh):
-    """``mesh`` as the default mesh (for whatever in the stages looks for it)."""
-    previous = torch_mp.mesh.find_mesh()
-    torch_mp.set_mesh(mesh)
-    try:
-        yield
-    finally:
-        torch_mp.set_mesh(previous)
 
 
 def _gpt_run(config, layout: dict, steps: int):

@@ -1,8 +1,7 @@
 """Tensor-parallel (intra-layer) modules and functions: one module per idea, mirroring the C++
 core's csrc/torch_mp/tensor_parallel/ (linear, conv, embedding, cross_entropy, layer_norm,
-attention, mlp, transformer_layer, conv_block, random)."""
+attention, mlp, transformer_layer, conv_block). The RNG tracker is :mod:`torch_mp.random`."""
 
-from torch_mp.tensor_parallel import random
 from torch_mp.tensor_parallel.attention import ParallelSelfAttention
 from torch_mp.tensor_parallel.conv import ColumnParallelConv2d, RowParallelConv2d
 from torch_mp.tensor_parallel.conv_block import ChannelParallelBatchNorm2d, ParallelConvBlock
@@ -25,6 +24,5 @@ __all__ = [
     "RowParallelConv2d",
     "RowParallelLinear",
     "VocabParallelEmbedding",
-    "random",
     "vocab_parallel_cross_entropy",
 ]

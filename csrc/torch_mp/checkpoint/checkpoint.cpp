@@ -14,7 +14,11 @@
 #include "torch_mp/data_parallel/sharded_gradient_sync.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/optim/parameter_shards.h"
-#include "torch_mp/tensor_parallel/blocks.h"
+#include "torch_mp/tensor_parallel/attention.h"
+#include "torch_mp/tensor_parallel/conv_block.h"
+#include "torch_mp/tensor_parallel/layer_norm.h"
+#include "torch_mp/tensor_parallel/mlp.h"
+#include "torch_mp/tensor_parallel/transformer_layer.h"
 
 namespace torch_mp::checkpoint {
 namespace {

@@ -1,6 +1,6 @@
 #pragma once
 // A mixture of experts whose experts are spread over an expert group (expert parallelism).
-// The one-process module is torch_mp::dense::MoE (dense.h; torch_mp.dense.MoE in Python), and
+// The one-process module is torch_mp::dense::MoE (dense_moe.h; torch_mp.dense.MoE in Python), and
 // this one equals it: rank e of the group holds experts [e E / ep, (e + 1) E / ep) (their
 // parameters sharded over the group along the experts' dim, layout.h), the router is
 // replicated, and each rank's tokens go where the router sends them:
@@ -30,7 +30,7 @@
 #include <string>
 #include <tuple>
 
-#include "torch_mp/dense.h"
+#include "torch_mp/moe/dense_moe.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::moe {
@@ -55,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,
                                                const GroupPtr& group);
 
 /// The options of the expert-parallel mixture of experts, declared once (torch_mp/options.h):
-/// the dense module's (dense.h) and the expert group (the default mesh's ep_group when null).
+/// the dense module's (dense_moe.h) and the expert group (the default mesh's ep_group when null).
 #define TORCH_MP_EXPERT_PARALLEL_MOE_OPTIONS(REQUIRED, OPTION, KEYWORD) \
   TORCH_MP_MOE_OPTIONS(REQUIRED, OPTION, KEYWORD)                       \
   KEYWORD(GroupPtr, group, {})

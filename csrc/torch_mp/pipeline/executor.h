@@ -22,9 +22,9 @@
 #include "torch_mp/pipeline/p2p.h"
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/pipeline/simulate.h"
-#include "torch_mp/pipeline/split_backward.h"
 #include "torch_mp/pipeline/stage.h"
 #include "torch_mp/process_groups.h"
+#include "torch_mp/split_backward.h"
 
 namespace torch_mp::pipeline {
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "torch_mp/pipeline/schedule.h"
-#include "torch_mp/pipeline/split_backward.h"
+#include "torch_mp/split_backward.h"
 
 namespace torch_mp::pipeline {
 

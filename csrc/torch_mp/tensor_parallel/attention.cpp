@@ -13,8 +13,8 @@
 #include "torch_mp/context_parallel/sharding.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/operator_options.h"
+#include "torch_mp/random.h"
 #include "torch_mp/recompute.h"
-#include "torch_mp/tensor_parallel/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {

@@ -6,7 +6,7 @@
 #include "torch_mp/activation.h"
 #include "torch_mp/collectives.h"
 #include "torch_mp/operator_options.h"
-#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/random.h"
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {

@@ -1,4 +1,4 @@
-#include "torch_mp/clip_grad.h"
+#include "torch_mp/optim/clip_grad.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

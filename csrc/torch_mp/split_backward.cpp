@@ -1,4 +1,4 @@
-#include "torch_mp/pipeline/split_backward.h"
+#include "torch_mp/split_backward.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-namespace torch_mp::pipeline {
+namespace torch_mp {
 namespace {
 
 using torch::autograd::Edge;
@@ -205,4 +205,4 @@ void backward_weight(WeightWork& work) {
   work = WeightWork{};
 }
 
-}  // namespace torch_mp::pipeline
+}  // namespace torch_mp

@@ -1,4 +1,4 @@
-#include "torch_mp/tensor_parallel/random.h"
+#include "torch_mp/random.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -10,7 +10,7 @@
 
 #include "torch_mp/recompute.h"
 
-namespace torch_mp::tensor_parallel {
+namespace torch_mp {
 namespace {
 
 at::Generator default_generator(c10::Device device) {
@@ -168,4 +168,4 @@ TORCH_LIBRARY_IMPL(torch_mp, Autograd, m) {
   m.impl("region_dropout_noise", torch::CppFunction::makeFallthrough());
 }
 
-}  // namespace torch_mp::tensor_parallel
+}  // namespace torch_mp

@@ -1,5 +1,6 @@
 #pragma once
-// Random-number streams for tensor-parallel regions (docs/design.md §3.3, "RNG tracker").
+// Random-number streams for tensor-parallel regions (docs/design.md §3.3, "RNG tracker"), in the
+// base: recomputation (recompute.h) replays them. Python: torch_mp.random.
 //
 // Dropout outside a tensor-parallel region acts on tensors every rank holds whole, so it must
 // draw the same numbers on every rank: the default generator, seeded alike. Dropout inside a
@@ -17,7 +18,7 @@
 
 #include "torch_mp/process_groups.h"
 
-namespace torch_mp::tensor_parallel {
+namespace torch_mp {
 
 /// The stream `model_parallel_manual_seed` sets up for tensor-parallel regions.
 inline constexpr const char* kModelParallelRng = "model-parallel-rng";
@@ -85,4 +86,4 @@ void model_parallel_manual_seed(uint64_t seed,
                                 const GroupPtr& group,
                                 c10::Device device = c10::kCPU);
 
-}  // namespace torch_mp::tensor_parallel
+}  // namespace torch_mp

@@ -21,7 +21,7 @@
 
 #include <vector>
 
-namespace torch_mp::pipeline {
+namespace torch_mp {
 
 /// What B keeps for W: where W starts (the weight nodes' inputs, and outputs that lead to
 /// parameters only), the gradients arriving there, and the parameters' accumulators.
@@ -43,4 +43,4 @@ std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& outputs,
 /// W: accumulates the parameters' gradients from what backward_input kept, and frees the graph.
 void backward_weight(WeightWork& work);
 
-}  // namespace torch_mp::pipeline
+}  // namespace torch_mp

@@ -1,4 +1,4 @@
-#include "torch_mp/grad_scaler.h"
+#include "torch_mp/optim/grad_scaler.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "torch_mp/agreement.h"
-#include "torch_mp/clip_grad.h"
 #include "torch_mp/collectives.h"
+#include "torch_mp/optim/clip_grad.h"
 
 namespace torch_mp {
 
