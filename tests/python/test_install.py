@@ -10,6 +10,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
 import torch.utils
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,57 +96,72 @@ def test_a_wheel_installs_into_a_clean_environment_and_runs_there(tmp_path):
     assert f"smoke OK from {site}/torch_mp/__init__.py" in out
 
 
-def test_a_libtorch_application_built_against_the_install_prefix_runs(tmp_path):
-    prefix, build = tmp_path / "prefix", tmp_path / "app"
-    cmake = str(BIN / "cmake")
-    _run([cmake, "--install", str(BUILD), "--prefix", str(prefix)], tmp_path)
-    # The installed library finds torch's libraries by itself: loaded into a process that has
-    # not imported torch (an application's own run path does not serve libtorch_mp's needs).
-    library = prefix / "lib" / "libtorch_mp.so"
-    _run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(library)!r})"], tmp_path)
-    _run(
-        [cmake, "-S", str(ROOT / "examples/cpp"), "-B", str(build), "-G", "Ninja",
-         f"-DCMAKE_MAKE_PROGRAM={BIN / 'ninja'}",
-         f"-DCMAKE_PREFIX_PATH={prefix};{torch.utils.cmake_prefix_path}"],
-        tmp_path,
-    )  # fmt: skip
-    _run([cmake, "--build", str(build), "--target", "tp_mlp"], tmp_path, timeout=600)
-    out = _run(
-        [str(BIN / "torchrun"), "--standalone", "--no-python", "--nproc-per-node=2",
-         str(build / "tp_mlp")],
-        ROOT,
-    )  # fmt: skip
-    assert "OK: largest difference" in out
-
-
 def _readme_block(heading: str, language: str) -> str:
     text = (ROOT / "README.md").read_text()
     section = text[text.index(heading) :]
     return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_cpp_quick_start_builds_as_a_consumer_project_and_runs(tmp_path):
-    """The README's C++ snippet and its two CMake lines, extracted (not copied), in a plain
-    CMake project that sets no C++ standard, built against an install prefix and run as the
-    snippet's first line says."""
-    prefix, source, build = tmp_path / "prefix", tmp_path / "src", tmp_path / "app"
+@pytest.fixture(scope="module")
+def consumers(tmp_path_factory) -> dict[str, Path]:
+    """LibTorch applications built against an install prefix of this build: the C++ example
+    tp_mlp (examples/cpp as its own project) and the README's C++ quick start (a plain CMake
+    project that sets no C++ standard). Their two compilations run at once (one per core)."""
+    root = tmp_path_factory.mktemp("consumers")
+    prefix, source = root / "prefix", root / "readme"
     cmake = str(BIN / "cmake")
-    _run([cmake, "--install", str(BUILD), "--prefix", str(prefix)], tmp_path)
+    _run([cmake, "--install", str(BUILD), "--prefix", str(prefix)], root)
+    # The installed library finds torch's libraries by itself: loaded into a process that has
+    # not imported torch (an application's own run path does not serve libtorch_mp's needs).
+    library = prefix / "lib" / "libtorch_mp.so"
+    _run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(library)!r})"], root)
     source.mkdir()
-    code = _readme_block("## Quick start: C++", "cpp")
-    launch = code.splitlines()[0].removeprefix("// ").split()
-    assert launch[:2] == ["torchrun", "--no-python"] and launch[-1] == "./app", launch
-    (source / "main.cpp").write_text(code)
+    (source / "main.cpp").write_text(_readme_block("## Quick start: C++", "cpp"))
     lines = _readme_block("## Quick start: C++", "cmake")
     (source / "CMakeLists.txt").write_text(
         "cmake_minimum_required(VERSION 3.18)\nproject(app CXX)\nadd_executable(app main.cpp)\n"
         + lines
     )
-    _run(
-        [cmake, "-S", str(source), "-B", str(build), "-G", "Ninja",
-         f"-DCMAKE_MAKE_PROGRAM={BIN / 'ninja'}",
-         f"-DCMAKE_PREFIX_PATH={prefix};{torch.utils.cmake_prefix_path}"],
-        tmp_path,
+    projects = {"examples": (ROOT / "examples/cpp", ["--target", "tp_mlp"]), "readme": (source, [])}
+    builds = {name: root / f"build-{name}" for name in projects}
+    for name, (project, _) in projects.items():
+        _run(
+            [cmake, "-S", str(project), "-B", str(builds[name]), "-G", "Ninja",
+             f"-DCMAKE_MAKE_PROGRAM={BIN / 'ninja'}",
+             f"-DCMAKE_PREFIX_PATH={prefix};{torch.utils.cmake_prefix_path}"],
+            root,
+        )  # fmt: skip
+    running = {
+        name: subprocess.Popen(
+            [cmake, "--build", str(builds[name]), *target],
+            cwd=root,
+            env=_clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for name, (_, target) in projects.items()
+    }
+    for name, process in running.items():
+        output, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, f"{name}:\n{output}"
+    return builds
+
+
+def test_a_libtorch_application_built_against_the_install_prefix_runs(consumers):
+    out = _run(
+        [str(BIN / "torchrun"), "--standalone", "--no-python", "--nproc-per-node=2",
+         str(consumers["examples"] / "tp_mlp")],
+        ROOT,
     )  # fmt: skip
-    _run([cmake, "--build", str(build)], tmp_path, timeout=600)
-    _run([str(BIN / "torchrun"), "--standalone", *launch[1:]], build)
+    assert "OK: largest difference" in out
+
+
+def test_the_readme_cpp_quick_start_builds_as_a_consumer_project_and_runs(consumers):
+    """The README's C++ snippet and its two CMake lines, extracted (not copied), in a plain
+    CMake project that sets no C++ standard, built against an install prefix and run as the
+    snippet's first line says."""
+    code = _readme_block("## Quick start: C++", "cpp")
+    launch = code.splitlines()[0].removeprefix("// ").split()
+    assert launch[:2] == ["torchrun", "--no-python"] and launch[-1] == "./app", launch
+    _run([str(BIN / "torchrun"), "--standalone", *launch[1:]], consumers["readme"])
