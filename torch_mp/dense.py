@@ -167,13 +167,12 @@ class MoE(DeclaredOptions, nn.Module, declared="dense.MoE"):
             self.to(device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        e = self.experts
-        return torch.ops.torch_mp.moe(
-            x,
-            self.router.weight,
-            e.fc1_weight,
-            e.fc1_bias,
-            e.fc2_weight,
-            e.fc2_bias,
-            **self._operator_options(),
-        )
+        return run_moe(self, x)
+
+
+def run_moe(moe: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The core's operator ``torch.ops.torch_mp.moe`` on ``moe``'s router and experts, with its
+    options (a :class:`MoE`, or a :class:`torch_mp.moe.MoE`, whose options add its group)."""
+    e = moe.experts
+    weights = (moe.router.weight, e.fc1_weight, e.fc1_bias, e.fc2_weight, e.fc2_bias)
+    return torch.ops.torch_mp.moe(x, *weights, **moe._operator_options())

@@ -110,16 +110,7 @@ class MoE(DeclaredOptions, SharesGroup, nn.Module, declared="MoE"):
                 mine[name].copy_(_C.shard(value, 0, self.group.group_name))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        experts = self.experts
-        return torch.ops.torch_mp.moe(
-            x,
-            self.router.weight,
-            experts.fc1_weight,
-            experts.fc1_bias,
-            experts.fc2_weight,
-            experts.fc2_bias,
-            **self._operator_options(),
-        )
+        return dense_modules.run_moe(self, x)
 
     @classmethod
     def from_dense(cls, dense: dense_modules.MoE, *args, **kwargs) -> MoE:
