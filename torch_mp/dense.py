@@ -173,6 +173,11 @@ class MoE(DeclaredOptions, nn.Module, declared="dense.MoE"):
 def run_moe(moe: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The core's operator ``torch.ops.torch_mp.moe`` on ``moe``'s router and experts, with its
     options (a :class:`MoE`, or a :class:`torch_mp.moe.MoE`, whose options add its group)."""
+    return torch.ops.torch_mp.moe(x, *moe_weights(moe), **moe._operator_options())
+
+
+def moe_weights(moe: nn.Module) -> list[torch.Tensor | None]:
+    """A mixture of experts' router weight and experts' weights (fc1, its bias, fc2, its bias),
+    as the core takes them."""
     e = moe.experts
-    weights = (moe.router.weight, e.fc1_weight, e.fc1_bias, e.fc2_weight, e.fc2_bias)
-    return torch.ops.torch_mp.moe(x, *weights, **moe._operator_options())
+    return [moe.router.weight, e.fc1_weight, e.fc1_bias, e.fc2_weight, e.fc2_bias]

@@ -228,7 +228,7 @@ def test_bad_settings_raise_on_every_rank():
         assert "MoE configuration must be the same" in errors["disagree"]
         assert "top_k (here " in errors["disagree"] and "by rank [1, 2]" in errors["disagree"]
         assert "pass different hidden sizes" in errors["hidden"]
-        assert "4 experts with biases, this one 4 without" in errors["bias"]
+        assert "4 experts with biases; this one 4 without" in errors["bias"]
         assert "and finite (None: dropless)" in errors["infinite capacity"]
         assert "activation (here " in errors["activation"]
 

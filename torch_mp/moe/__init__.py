@@ -96,18 +96,8 @@ class MoE(DeclaredOptions, SharesGroup, nn.Module, declared="MoE"):
 
     def load_dense(self, dense: dense_modules.MoE) -> None:
         """Copies ``dense``'s router and this rank's experts into the parameters."""
-        bias = (dense.experts.fc1_bias is not None, self.experts.fc1_bias is not None)
-        if dense.num_experts != self.num_experts or bias[0] != bias[1]:
-            raise ValueError(
-                f"MoE.load_dense: the dense module has {dense.num_experts} experts "
-                f"{('without', 'with')[bias[0]]} biases, this one {self.num_experts} "
-                f"{('without', 'with')[bias[1]]}"
-            )
-        with torch.no_grad():
-            self.router.weight.copy_(dense.router.weight)
-            mine = dict(self.experts.named_parameters())
-            for name, value in dense.experts.named_parameters():
-                mine[name].copy_(_C.shard(value, 0, self.group.group_name))
+        weights = dense_modules.moe_weights
+        _C.moe_load_dense_(weights(self), weights(dense), self.group.group_name)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return dense_modules.run_moe(self, x)

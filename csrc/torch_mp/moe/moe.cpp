@@ -243,22 +243,38 @@ void MoEImpl::register_layouts() {
 
 void MoEImpl::reset_parameters() { load_dense(dense::MoE(options)); }
 
-void MoEImpl::load_dense(const dense::MoE& dense) {
-  at::NoGradGuard no_grad;
-  TORCH_CHECK(dense->options.num_experts() == options.num_experts() &&
-                  dense->options.bias() == options.bias(),
+void load_dense_(const MoEParameters& mine, const MoEParameters& dense, const GroupPtr& group) {
+  const int64_t experts = mine.router_weight.size(0);
+  const int64_t dense_experts = dense.router_weight.size(0);
+  const bool bias = mine.fc1_bias.has_value(), dense_bias = dense.fc1_bias.has_value();
+  TORCH_CHECK(dense_experts == experts && dense_bias == bias,
               "MoE.load_dense: the dense module has ",
-              dense->options.num_experts(),
+              dense_experts,
               " experts",
-              dense->options.bias() ? " with" : " without",
+              dense_bias ? " with" : " without",
               " biases; this one ",
-              options.num_experts(),
-              options.bias() ? " with" : " without");
-  router->weight.copy_(dense->router->weight);
-  for (const auto& item : experts->named_parameters()) {
-    item.value().copy_(
-        tensor_parallel::shard(dense->experts->named_parameters()[item.key()], 0, group));
+              experts,
+              bias ? " with" : " without");
+  at::NoGradGuard no_grad;
+  mine.router_weight.copy_(dense.router_weight);
+  mine.fc1_weight.copy_(tensor_parallel::shard(dense.fc1_weight, 0, group));
+  mine.fc2_weight.copy_(tensor_parallel::shard(dense.fc2_weight, 0, group));
+  if (bias) {
+    mine.fc1_bias->copy_(tensor_parallel::shard(*dense.fc1_bias, 0, group));
+    mine.fc2_bias->copy_(tensor_parallel::shard(*dense.fc2_bias, 0, group));
   }
+}
+
+void MoEImpl::load_dense(const dense::MoE& dense) {
+  using tensor_parallel::optional_tensor;
+  const auto& d = dense->experts;
+  load_dense_(weights(),
+              {dense->router->weight,
+               d->fc1_weight,
+               optional_tensor(d->fc1_bias),
+               d->fc2_weight,
+               optional_tensor(d->fc2_bias)},
+              group);
 }
 
 std::tuple<at::Tensor, at::Tensor> MoEImpl::forward(const at::Tensor& x) {

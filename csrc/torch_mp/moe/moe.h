@@ -45,6 +45,11 @@ struct MoEParameters {
   std::optional<at::Tensor> fc2_bias;
 };
 
+/// Copies a dense mixture of experts' router and this rank's experts of `group` (`dense`, every
+/// expert's weights) into `mine` (this rank's; not differentiable). Raises unless the two hold
+/// the same number of experts, with or without biases alike.
+void load_dense_(const MoEParameters& mine, const MoEParameters& dense, const GroupPtr& group);
+
 /// The forward of MoE (see the top of this file): `x` [..., h] -> (y shaped as x, aux_loss).
 /// `options` as dense::MoEOptions (its sizes are taken from the parameters); `group` the expert
 /// group (null: every expert here). A collective over `group`; raises on every rank if the
