@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import torch_mp
-from torch_mp import dense, functional
+from torch_mp import _C, dense, functional
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,9 +71,9 @@ class Gathered(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         everyone = functional.gather_from_sp(x, group=self.group)  # backward reduce-scatters
-        reference = dense.MoE(1, 1, moe.num_experts, moe.top_k)  # (routing only)
-        reference.router = moe.router
-        chosen, weights, _ = reference.route(everyone)
+        chosen, weights, _, _ = _C.moe_route(
+            everyone, moe.router.weight, moe.top_k, moe.router_kind, None
+        )
         local = moe.experts.num_experts
         first = dist.get_rank(self.group) * local
         y = torch.zeros_like(everyone)

@@ -41,7 +41,7 @@ class Option:
 
     name: str
     kind: str  # "required", "option" or "keyword"
-    type: str  # a schema type ("int", "float?", ...) or "group"
+    type: str  # a schema type ("int", "float?", "int[2]", "Any", ...) or "group"
     default: Any
 
     @property

@@ -130,9 +130,11 @@ class Experts(nn.Module):
 
 
 class MoE(DeclaredOptions, nn.Module, declared="dense.MoE"):
-    """A mixture of experts on one process: the reference :class:`torch_mp.moe.MoE` is checked
-    against. Its options are the C++ core's declaration (csrc/torch_mp/dense.h); its forward is
-    the core's operator ``torch.ops.torch_mp.moe`` with every expert on this process.
+    """A mixture of experts on one process, which :class:`torch_mp.moe.MoE` equals with its
+    experts spread over ranks. Its options are the C++ core's declaration
+    (csrc/torch_mp/moe/dense_moe.h); its forward is the core's operator ``torch.ops.torch_mp.moe``
+    with every expert on this process (tests/python/test_moe.py holds it to a token-by-token
+    reading of the definition below).
 
     A linear router (no bias) scores every token against every expert and keeps the ``top_k``
     best: ``"softmax"`` takes the softmax over all experts, then the top k, their weights

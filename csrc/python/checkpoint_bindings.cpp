@@ -125,29 +125,25 @@ void bind_checkpoint(py::module_& parent) {
       "the first time: collective over the world).");
   m.def(
       "plan_save",
-      [](int64_t pp_size,
-         int64_t tp_size,
-         int64_t ep_size,
-         int64_t pp_rank,
-         int64_t tp_rank,
-         int64_t place,
-         const std::vector<bool>& over_experts) {
-        const auto plan =
-            ckpt::plan_save({pp_size, tp_size, ep_size, pp_rank, tp_rank, place}, over_experts);
+      [](const py::dict& mesh, const std::vector<bool>& over_experts) {
+        ckpt::SaveLayout layout;
+        const auto get = [&](const char* key) { return mesh[key].cast<int64_t>(); };
+        layout.pp_size = get("pp_size"), layout.tp_size = get("tp_size");
+        layout.ep_size = get("ep_size"), layout.cp_size = get("cp_size");
+        layout.pp_rank = get("pp_rank"), layout.tp_rank = get("tp_rank");
+        layout.dp_rank = get("dp_rank"), layout.cp_rank = get("cp_rank");
+        const auto plan = ckpt::plan_save(layout, over_experts);
         return py::make_tuple(plan.file, plan.files, plan.kept);
       },
-      py::arg("pp_size"),
-      py::arg("tp_size"),
-      py::arg("ep_size"),
-      py::arg("pp_rank"),
-      py::arg("tp_rank"),
-      py::arg("place"),
+      py::arg("mesh"),
       py::arg("over_experts"),
-      "(this rank's file or None, every file, the indices of the shards it writes).");
+      "For a rank at `mesh` ({pp,tp,ep,cp}_size, {pp,tp,dp,cp}_rank) whose shards lie, or not, "
+      "over the expert group: (this rank's file or None, every file, the indices of the shards "
+      "it writes).");
   m.def(
       "over_expert_group",
       [](const at::Tensor& parameter, const std::string& ep_group) {
-        return ckpt::over_expert_group(parameter, resolve(ep_group));
+        return ckpt::over_expert_group(parameter, group_named_or_none(ep_group));
       },
       py::arg("parameter"),
       py::arg("ep_group"));

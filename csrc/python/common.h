@@ -42,7 +42,7 @@ struct FromPython<const GroupPtr&> {
 }  // namespace detail
 
 /// `function` with each process-group parameter taken by name, as Python passes groups:
-/// m.def("check_parallel_mlp", by_group_name(&check_parallel_mlp), py::arg(...), ...).
+/// m.def("unshard", by_group_name(&tensor_parallel::unshard), py::arg(...), ...).
 template <typename Result, typename... Args>
 auto by_group_name(Result (*function)(Args...)) {
   return [function](typename detail::FromPython<Args>::type... args) -> Result {

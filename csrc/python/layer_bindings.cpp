@@ -1,5 +1,6 @@
-// torch_mp._C.declared_options and check_options: the layers' declared options, for the Python
-// modules that derive their arguments from them (see layer_bindings.h).
+// torch_mp._C.declared_options, check_options, child_options and declared_layers: the layers'
+// declared options, for the Python modules that derive their arguments from them (see
+// layer_bindings.h).
 
 #include "python/layer_bindings.h"
 

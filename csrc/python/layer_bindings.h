@@ -150,7 +150,8 @@ void bind_layer(const std::string& name,
   };
 }
 
-/// Defines declared_options and check_options on `m` (bindings.cpp).
+/// Defines declared_options, check_options, child_options and declared_layers on `m`
+/// (bindings.cpp).
 void bind_layer_declarations(pybind11::module_& m);
 
 }  // namespace torch_mp::python

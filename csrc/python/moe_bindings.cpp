@@ -9,6 +9,7 @@
 #include "python/common.h"
 #include "python/layer_bindings.h"
 #include "torch_mp/moe/moe.h"
+#include "torch_mp/moe/router.h"
 
 namespace py = pybind11;
 
@@ -22,6 +23,22 @@ void bind_moe(py::module_& parent) {
     TORCH_CHECK(t.size() == 5 && t[0] && t[1] && t[3], "moe_load_dense_: five tensors");
     return moe::MoEParameters{*t[0], *t[1], t[2], *t[3], t[4]};
   };
+  parent.def(
+      "moe_route",
+      [](const at::Tensor& tokens,
+         const at::Tensor& router_weight,
+         int64_t top_k,
+         const std::string& router,
+         std::optional<double> capacity_factor) {
+        const auto r = moe::route(tokens, router_weight, top_k, router, capacity_factor);
+        return std::make_tuple(r.experts, r.weights, r.probabilities, r.kept);
+      },
+      py::arg("tokens"),
+      py::arg("router_weight"),
+      py::arg("top_k"),
+      py::arg("router"),
+      py::arg("capacity_factor"),
+      "Where `tokens` go (router.h: route): (experts, weights, probabilities, kept).");
   parent.def(
       "moe_load_dense_",
       [parameters](const Tensors& mine, const Tensors& dense, const std::string& group) {

@@ -113,7 +113,10 @@ std::string summary_of(const std::vector<std::string>& items) {
 std::optional<std::string> failure_anywhere(const std::vector<std::string>& problems,
                                             const std::string& what,
                                             const GroupPtr& group) {
-  const std::string mine = summary_of(problems);
+  std::string mine = summary_of(problems);
+  if (!problems.empty() && mine.empty()) {  // (an empty text would read as none on the others)
+    mine = "(an error without a message)";
+  }
   if (group && group->getSize() > 1) {
     return first_rank_problems(problems, mine, what, group);
   }

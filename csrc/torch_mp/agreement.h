@@ -43,7 +43,8 @@ void collect_problems(std::vector<std::string>& problems, const Body& body) {
   try {
     body();
   } catch (const std::exception& e) {
-    problems.push_back(text_of(e));
+    const auto text = text_of(e);  // (an empty one would read as no problem on the others)
+    problems.push_back(text.empty() ? "(an error without a message)" : text);
   }
 }
 

@@ -86,6 +86,9 @@ std::vector<std::string> all_gather_text(const std::string& text, const GroupPtr
                  group,
                  c10d::ReduceOp::MAX)
           .item<int64_t>();
+  if (longest == 0) {  // (the same on every rank)
+    return std::vector<std::string>(group->getSize());
+  }
   // Each rank's bytes, then its length (8 bytes), in a row of the longest's width.
   const int64_t width = longest + 8;
   auto row = at::zeros({width}, at::kByte);
@@ -138,7 +141,7 @@ std::map<std::string, at::Tensor> all_gather_named(const std::map<std::string, a
       }
       at::Tensor tensor =
           static_cast<int64_t>(r) == group->getRank()
-              ? mine.at(name).detach().to(device).clone()
+              ? mine.at(name).detach().to(device).clone(at::MemoryFormat::Contiguous)
               : at::empty(
                     sizes,
                     at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)).device(device));

@@ -179,9 +179,8 @@ struct OptionType<std::optional<T>> {
   static c10::IValue to(const std::optional<T>& v) {
     return v ? OptionType<T>::to(*v) : c10::IValue();
   }
-  static int64_t agreement(const std::optional<T>& v) {
-    // Any number of the value's own may collide with the marker; the message names the option.
-    return v ? OptionType<T>::agreement(*v) : INT64_MIN;
+  static int64_t agreement(const std::optional<T>& v) {  // (a digest: None is a value too)
+    return OptionType<std::string>::agreement(literal(v));
   }
 };
 
@@ -220,7 +219,8 @@ struct Declared {
   std::string name;
   /// "required", "option" or "keyword" (Kind).
   std::string kind;
-  /// The schema type ("int", "float", "bool", "str", "int?", "float?") or "group".
+  /// The schema type ("int", "float", "bool", "str", "int?", "float?", "int[]", "int[2]",
+  /// "Any") or "group".
   std::string type;
   /// The default (None for a required option and for a group).
   c10::IValue default_value;
@@ -389,6 +389,14 @@ void def_layer_operator(torch::Library& m,
   TORCH_CHECK(!head.empty() && head.back() == ')', "def_layer_operator: bad head ", head);
   const std::string schema = head.substr(0, head.size() - 1) + ", *, " +
                              schema_arguments<typename Kernel::Options>() + ") -> " + returns;
+  // The head must name the kernel's leading arguments: the boxed kernel counts on it.
+  TORCH_CHECK(torch::schema(schema.c_str()).arguments().size() ==
+                  Kernel::kHead + count<typename Kernel::Options>(),
+              "def_layer_operator: the head of ",
+              schema,
+              " does not hold the kernel's ",
+              Kernel::kHead,
+              " leading arguments");
   m.def(schema.c_str(), torch::CppFunction::makeFromBoxedFunction<&Kernel::call>());
 }
 

@@ -7,10 +7,15 @@
 //     REQUIRED(int64_t, hidden_size)
 //     REQUIRED(int64_t, ffn_hidden_size)
 //     OPTION(bool, bias, true)
+//     OPTION(std::string, activation, "gelu")
+//     OPTION(double, dropout, 0.0)
+//     OPTION(bool, sequence_parallel, false)
 //     OPTION(GroupPtr, group, {})
-//     KEYWORD(bool, recompute_core, false)
 //
-// (each line ending in a backslash), and its Options struct's body is
+// (mlp.h; ParallelSelfAttention's list ends in KEYWORD entries such as
+// KEYWORD(bool, recompute_core, false))
+//
+// with each line ending in a backslash, and its Options struct's body is
 // TORCH_MP_OPTIONS(ParallelMLPOptions, TORCH_MP_PARALLEL_MLP_OPTIONS): a constructor taking the
 // REQUIRED options in order, a TORCH_ARG (setter and getter, as LibTorch's options have) for
 // every option with its default, and for_each_option, which visits them by name. Everything

@@ -4,7 +4,7 @@
 // A recomputed forward must draw the random numbers the first forward drew, or its dropout masks,
 // and with them the gradients, differ from the step that was not recomputed. The default
 // generators are one stream; dropout inside tensor-parallel regions draws from another, the RNG
-// tracker's per-rank stream (tensor_parallel/random.h). torch.utils.checkpoint replays the
+// tracker's per-rank stream (random.h). torch.utils.checkpoint replays the
 // first only, so the core refuses a tracker draw it would recompute (check_recomputable_draw);
 // recompute() here, and torch_mp.recompute in Python, replay both.
 

@@ -21,6 +21,14 @@ COMMUNICATING = {
     "recv_object_list", "new_group", "new_subgroups", "new_subgroups_by_enumeration",
     "init_process_group",
 }  # fmt: skip
+# A c10d ProcessGroup's own methods that communicate (called on a group object, not through
+# torch.distributed): any call of these names is one, but the core's (torch_mp._C.barrier).
+GROUP_METHODS = {
+    "allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "_allgather_base", "reduce_scatter",
+    "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", "alltoall", "alltoall_base",
+    "broadcast", "send", "recv", "recv_anysource", "barrier", "monitoredBarrier",
+}  # fmt: skip
 # The mesh's set-up makes the world and its groups.
 ALLOWED = {"mesh.py": {"init_process_group", "new_group"}}
 # Modules whose functions communicate under other names.
@@ -57,6 +65,8 @@ def _distributed_calls(path: Path) -> list[tuple[int, str]]:
             owner = owner.removesuffix(".distributed_c10d")
             if name in COMMUNICATING and owner in aliases:
                 found.append((node.lineno, name))
+            elif name in GROUP_METHODS and owner not in aliases and owner != "_C":
+                found.append((node.lineno, f"{owner}.{name}"))
     return found
 
 
@@ -90,6 +100,8 @@ def test_the_scan_finds_each_form_of_a_call(tmp_path):
         "d2.barrier()\n"
         "torch.distributed.broadcast(x, 0)\n"
         "dist.distributed_c10d.all_gather(parts, x)\n"
+        "group.allreduce([x]).wait()\n"
+        "_C.barrier(name)\n"
         "dist.get_rank()\n"
     )
     found = sorted(name for _, name in _distributed_calls(source))
@@ -101,5 +113,6 @@ def test_the_scan_finds_each_form_of_a_call(tmp_path):
             "barrier",
             "broadcast",
             "all_gather",
+            "group.allreduce",
         ]
     )

@@ -228,15 +228,12 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
     # Which files the checkpoint has, which is this rank's, and which shards go into it: the
     # core's plan (place 0 of each (pp, tp)'s data x context group writes all it holds, places
     # 1 .. ep - 1 their experts).
-    mine, files, kept = _C.checkpoint.plan_save(
-        mesh.pp_size,
-        mesh.tp_size,
-        mesh.ep_size,
-        mesh.pp_rank,
-        mesh.tp_rank,
-        mesh.dp_rank * mesh.cp_size + mesh.cp_rank,
-        over_experts,
-    )
+    sizes_and_ranks = {
+        f"{d}_{what}": getattr(mesh, f"{d}_{what}")
+        for d in ("pp", "tp", "dp", "cp", "ep")
+        for what in ("size", "rank")
+    }
+    mine, files, kept = _C.checkpoint.plan_save(sizes_and_ranks, over_experts)
     shards = [shards[i] for i in kept]
     return os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}
 

@@ -171,7 +171,8 @@ def _every_rank(mine: dict[str, int]) -> list[dict[str, int]]:
     """Every rank's measurement (its ``peak``, ``states`` and ``pipeline_rank``), by the core's
     all-gather over the world."""
     keys = ("peak", "states", "pipeline_rank")
-    row = torch.tensor([[mine[k] for k in keys]], dtype=torch.int64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # (where the world's tensors go)
+    row = torch.tensor([[mine[k] for k in keys]], dtype=torch.int64, device=device)
     everyone = torch.ops.torch_mp.all_gather(row, 0, dist.group.WORLD.group_name)
     return [dict(zip(keys, values, strict=True)) for values in everyone.tolist()]
 

@@ -54,6 +54,8 @@ class ParallelSelfAttention(
         context_method: ``"ring"``, ``"all_gather"`` or ``"all_to_all"``.
         load_balance: Whether the sequence was cut load-balanced (``shard_sequence``'s
             default); it must be the cut's.
+        softmax_scale: What the scores ``q k^T`` are multiplied by before the softmax;
+            ``1 / sqrt(head_dim)`` when None.
         device, dtype: Where and in what type to create the parameters.
 
     Raises:

@@ -52,6 +52,7 @@ class ParallelTransformerLayer(
         context_parallel, context_group, context_method, load_balance: Context parallelism, as
             in :class:`ParallelSelfAttention`. Dropout is refused in training under it (the
             ranks' masks could not be those one process draws): pass ``dropout=0``.
+        softmax_scale: The attention's, as in :class:`ParallelSelfAttention`.
         device, dtype: Where and in what type to create the parameters.
 
     Raises:

@@ -137,9 +137,11 @@ SaveLayout save_layout(const Mesh& mesh) {
   return {mesh.pp_size(),
           mesh.tp_size(),
           mesh.ep_size(),
+          mesh.cp_size(),
           mesh.pp_rank(),
           mesh.tp_rank(),
-          mesh.dp_rank() * mesh.cp_size() + mesh.cp_rank()};
+          mesh.dp_rank(),
+          mesh.cp_rank()};
 }
 
 // What this rank's save of `stages` and `optimizer` writes (shard_writer.h's save's arguments).
@@ -255,12 +257,16 @@ GroupPtr background_group(const GroupPtr& world, const StorePtr& store) {
   TORCH_CHECK(store,
               "torch_mp::checkpoint::async_save: no store to make the background save's group "
               "over (make the mesh with torch_mp::init or make_mesh)");
+  // The world's timeout: its Gloo side's, else its NCCL side's, else c10d's default.
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
-  try {
-    timeout =
-        world->getBackend(c10d::ProcessGroup::BackendType::GLOO)->getBackendOptions()->timeout;
-  } catch (const std::exception&) {
-    // An NCCL world: the default timeout.
+  for (const auto backend :
+       {c10d::ProcessGroup::BackendType::GLOO, c10d::ProcessGroup::BackendType::NCCL}) {
+    try {
+      timeout = world->getBackend(backend)->getBackendOptions()->timeout;
+      break;
+    } catch (const std::exception&) {
+      // (no such side)
+    }
   }
   // Store keys of its own, agreed over the world (rank 0's clock).
   const std::string name = "torch_mp/checkpoint/" + save_tag(world);

@@ -91,12 +91,13 @@ SavePlan plan_save(const SaveLayout& layout, const std::vector<bool>& over_exper
       }
     }
   }
-  if (layout.place >= layout.ep_size) {  // a replica of place (place mod ep)
+  const int64_t place = layout.place();
+  if (place >= layout.ep_size) {  // a replica of place (place mod ep)
     return plan;
   }
-  plan.file = shard_file(layout.pp_rank, layout.tp_rank, layout.place);
+  plan.file = shard_file(layout.pp_rank, layout.tp_rank, place);
   for (size_t i = 0; i < over_experts.size(); ++i) {
-    if (layout.place == 0 || over_experts[i]) {  // beyond place 0: its experts only
+    if (place == 0 || over_experts[i]) {  // beyond place 0: its experts only
       plan.kept.push_back(i);
     }
   }

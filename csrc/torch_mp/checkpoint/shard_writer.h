@@ -25,10 +25,10 @@ std::string shard_file(int64_t pp, int64_t tp, int64_t expert_place = 0);
 
 /// Where a rank of a layout sits, as a save plans its files.
 struct SaveLayout {
-  int64_t pp_size = 1, tp_size = 1, ep_size = 1;
-  int64_t pp_rank = 0, tp_rank = 0;
-  /// Its place in its data x context group: dp_rank * cp_size + cp_rank.
-  int64_t place = 0;
+  int64_t pp_size = 1, tp_size = 1, ep_size = 1, cp_size = 1;
+  int64_t pp_rank = 0, tp_rank = 0, dp_rank = 0, cp_rank = 0;
+  /// Its place in its data x context group (data rank major).
+  int64_t place() const { return dp_rank * cp_size + cp_rank; }
 };
 
 /// What a rank's save writes.

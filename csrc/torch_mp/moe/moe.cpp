@@ -86,8 +86,7 @@ void check_moe(const dense::MoEOptions& o, const GroupPtr& group) {
   if (group) {
     options::check_same_options(o, group, "MoE");
   }
-  check_routing(o.num_experts(), o.top_k(), o.router(), o.capacity_factor());
-  check_expert_activation(o.activation());
+  dense::check_moe(o);
   TORCH_CHECK(!group || o.num_experts() % group->getSize() == 0,
               "MoE: num_experts (",
               o.num_experts(),

@@ -209,7 +209,7 @@ std::pair<std::vector<at::Tensor>, std::optional<at::Tensor>> Pipeline::eval_ste
 std::optional<std::vector<TimedAction>> Pipeline::gathered_trace() const {
   // Each rank's actions as rows [rank, kind, stage, micro-batch, start, end], in one text.
   std::string mine(trace().size() * sizeof(double) * 6, '\0');
-  auto* row = reinterpret_cast<double*>(mine.data());
+  char* row = mine.data();
   for (const auto& t : trace()) {
     const double values[] = {static_cast<double>(t.rank),
                              static_cast<double>(t.action.kind),
@@ -217,8 +217,8 @@ std::optional<std::vector<TimedAction>> Pipeline::gathered_trace() const {
                              static_cast<double>(t.action.microbatch),
                              t.start,
                              t.end};
-    std::copy(std::begin(values), std::end(values), row);
-    row += 6;
+    std::memcpy(row, values, sizeof(values));
+    row += sizeof(values);
   }
   const auto& group = executor_->group();
   const auto all = comm::all_gather_text(mine, group);

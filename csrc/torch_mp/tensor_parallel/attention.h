@@ -110,9 +110,9 @@ void check_parallel_self_attention(const ParallelSelfAttentionOptions& options);
 /// file), the attention is context_parallel::attention over `context_group` by
 /// `context_method` ("ring", "all_gather" or "all_to_all") over the cut `load_balance` names,
 /// and the masks are for the whole sequence. Attention dropout is refused there: the ranks'
-/// masks could not be the ones one process would draw. The options' sizes and bias are not
-/// used. Also the operator torch.ops.torch_mp.attention_heads(qkv, attn_mask, is_causal,
-/// training, *, <the options>).
+/// masks could not be the ones one process would draw. Of the options' sizes only num_heads is
+/// used (hidden_size, bias and sequence_parallel are the projections'). Also the operator
+/// torch.ops.torch_mp.attention_heads(qkv, attn_mask, is_causal, training, *, <the options>).
 at::Tensor attention_heads(const at::Tensor& qkv,
                            const ParallelSelfAttentionOptions& options,
                            const std::optional<at::Tensor>& attn_mask,

@@ -348,19 +348,11 @@ template class ParallelConv2dImpl<RowParallelConv2dOptions>;
 
 namespace {
 
-// The operators take the bias option and the bias itself: they must agree.
-template <typename Options>
-void check_conv_bias_given(const Options& o, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(o.bias() == (bias && bias->defined()),
-              Options::kName,
-              ": the bias option and the bias given disagree");
-}
-
 at::Tensor column_parallel_conv2d_op(const at::Tensor& input,
                                      const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias_tensor,
                                      const ColumnParallelConv2dOptions& o) {
-  check_conv_bias_given(o, bias_tensor);
+  check_bias_given(o, bias_tensor);
   return column_parallel_conv2d(input, weight, bias_tensor, o.conv(), o.gather_output(), o.group());
 }
 
@@ -368,7 +360,7 @@ at::Tensor row_parallel_conv2d_op(const at::Tensor& input,
                                   const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias_tensor,
                                   const RowParallelConv2dOptions& o) {
-  check_conv_bias_given(o, bias_tensor);
+  check_bias_given(o, bias_tensor);
   return row_parallel_conv2d(
       input, weight, bias_tensor, o.conv(), o.input_is_parallel(), o.group());
 }

@@ -24,9 +24,10 @@ at::Tensor layer_norm(const at::Tensor& input,
 }
 
 void check_layer_norm(const LayerNormOptions& o) {
-  TORCH_CHECK(o.normalized_shape().size() == 1 && o.normalized_shape()[0] > 0,
-              "torch_mp LayerNorm normalises over the last dim only: normalized_shape must be "
-              "one positive size");
+  TORCH_CHECK_VALUE(
+      o.normalized_shape().size() == 1 && o.normalized_shape()[0] > 0,
+      "torch_mp LayerNorm normalises over the last dim only: normalized_shape must be "
+      "one positive size");
 }
 
 namespace {

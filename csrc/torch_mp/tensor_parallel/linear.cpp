@@ -215,17 +215,6 @@ template class ParallelLinearImpl<RowParallelLinearOptions>;
 
 namespace {
 
-// The operators take the bias option and the bias itself: they must agree.
-template <typename Options>
-void check_bias_given(const Options& o, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(o.bias() == (bias && bias->defined()),
-              Options::kName,
-              ": the bias option is ",
-              o.bias() ? "set" : "unset",
-              " but a bias was ",
-              o.bias() ? "not given" : "given");
-}
-
 at::Tensor column_parallel_linear_op(const at::Tensor& input,
                                      const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias_tensor,

@@ -2,6 +2,7 @@
 // Cutting dense tensors into tensor-parallel shards and putting them back together.
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <optional>
 #include <string>
@@ -26,6 +27,18 @@ at::Tensor shard(const at::Tensor& full, int64_t dim, const GroupPtr& group);
 /// `t`, or nullopt when it is undefined (how modules hand an absent bias to the functions).
 inline std::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+/// Raises unless a layer's operator was given a bias exactly when its options' `bias()` says so
+/// (the operators take both).
+template <typename Options>
+void check_bias_given(const Options& o, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(o.bias() == (bias && bias->defined()),
+              Options::kName,
+              ": the bias option is ",
+              o.bias() ? "set" : "unset",
+              " but a bias was ",
+              o.bias() ? "not given" : "given");
 }
 
 /// `group`, or the default mesh's tensor-parallel group when `group` is null.
