@@ -11,6 +11,7 @@
 #include "torch_mp/agreement.h"
 #include "torch_mp/collectives.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/live_storages.h"
 #include "torch_mp/mesh.h"
 
 namespace py = pybind11;
@@ -144,4 +145,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("set_check_collectives", &torch_mp::set_check_collectives, py::arg("on"));
   m.def("check_collectives", &torch_mp::check_collectives);
+
+  py::class_<torch_mp::LiveStorages>(m, "LiveStorages", "live_storages.h (torch_mp._memory)")
+      .def(py::init<>())
+      .def("add", &torch_mp::LiveStorages::add, py::arg("inputs"), py::arg("outputs"))
+      .def("bytes", &torch_mp::LiveStorages::bytes);
 }
