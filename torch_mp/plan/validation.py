@@ -9,7 +9,6 @@ The tests hold every row within :data:`PEAK_BOUND` of the measured peak and
 from __future__ import annotations
 
 import dataclasses
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +150,6 @@ def compare(layouts: list[dict], meshes: dict | None = None) -> list[Row]:
         if key not in meshes:
             meshes[key] = torch_mp.init(tp=key[0], pp=key[1], cp=key[2], ep=key[3], timeout=60)
         everyone = _every_rank(measure(config, mesh=meshes[key], **keywords))
-        gc.collect()
         for row in estimate(config, **keywords).ranks:
             ranks = [m for m in everyone if m["pipeline_rank"] in row.pipeline_ranks]
             rows.append(
