@@ -111,6 +111,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Raises on every rank of `group` (\"\": this rank only) if any rank has `problems`: "
       "\"<what> on rank <r>: <its problems>\", this rank's own if it has any.");
   m.def(
+      "device_of",
+      [](const std::string& group) { return torch_mp::device_of(resolve(group)).str(); },
+      py::arg("group"),
+      "Where `group`'s collectives take their tensors: \"cuda\" for an NCCL group, else "
+      "\"cpu\".");
+  m.def(
       "barrier",
       [](const std::string& group) { torch_mp::comm::barrier(resolve(group)); },
       py::arg("group"),

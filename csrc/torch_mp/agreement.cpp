@@ -114,8 +114,8 @@ std::optional<std::string> failure_anywhere(const std::vector<std::string>& prob
                                             const std::string& what,
                                             const GroupPtr& group) {
   std::string mine = summary_of(problems);
-  if (!problems.empty() && mine.empty()) {  // (an empty text would read as none on the others)
-    mine = "(an error without a message)";
+  if (!problems.empty() && mine.empty()) {  // (problems given as empty texts)
+    mine = kNoMessage;
   }
   if (group && group->getSize() > 1) {
     return first_rank_problems(problems, mine, what, group);

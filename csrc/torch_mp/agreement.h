@@ -36,6 +36,9 @@ bool check_collectives();
 /// An exception's message without the backtrace c10 errors carry.
 std::string text_of(const std::exception& e);
 
+/// What a problem without a text is reported as (an empty one would read as none on the others).
+inline constexpr const char* kNoMessage = "(an error without a message)";
+
 /// Runs `body`, turning an exception into one of `problems` (which raise_anywhere then reports
 /// on every rank: a rank that raised alone would leave the others waiting).
 template <typename Body>
@@ -43,8 +46,8 @@ void collect_problems(std::vector<std::string>& problems, const Body& body) {
   try {
     body();
   } catch (const std::exception& e) {
-    const auto text = text_of(e);  // (an empty one would read as no problem on the others)
-    problems.push_back(text.empty() ? "(an error without a message)" : text);
+    const auto text = text_of(e);
+    problems.push_back(text.empty() ? kNoMessage : text);
   }
 }
 

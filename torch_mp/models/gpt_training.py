@@ -175,9 +175,10 @@ class Trainer3D:
         # Share the last stage's loss: counted once per data rank (tensor and context rank 0;
         # the context ranks' losses are the same mean over their sequences), averaged.
         counted = loss is not None and self.mesh.tp_rank == 0 and self.mesh.cp_rank == 0
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # (where the world's go)
-        value = torch.tensor([loss.item() if counted else 0.0], dtype=torch.float64, device=device)
         world = dist.group.WORLD.group_name
+        value = torch.tensor(
+            [loss.item() if counted else 0.0], dtype=torch.float64, device=_C.device_of(world)
+        )
         return torch.ops.torch_mp.all_reduce(value, "sum", world).item() / self.mesh.dp_size
 
     def gathered(self) -> dict[str, torch.Tensor]:

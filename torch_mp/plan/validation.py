@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import torch_mp
+from torch_mp import _C
 from torch_mp.models import GPTConfig
 from torch_mp.plan import estimate, measure
 
@@ -169,9 +170,9 @@ def _every_rank(mine: dict[str, int]) -> list[dict[str, int]]:
     """Every rank's measurement (its ``peak``, ``states`` and ``pipeline_rank``), by the core's
     all-gather over the world."""
     keys = ("peak", "states", "pipeline_rank")
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # (where the world's tensors go)
-    row = torch.tensor([[mine[k] for k in keys]], dtype=torch.int64, device=device)
-    everyone = torch.ops.torch_mp.all_gather(row, 0, dist.group.WORLD.group_name)
+    world = dist.group.WORLD.group_name
+    row = torch.tensor([[mine[k] for k in keys]], dtype=torch.int64, device=_C.device_of(world))
+    everyone = torch.ops.torch_mp.all_gather(row, 0, world)
     return [dict(zip(keys, values, strict=True)) for values in everyone.tolist()]
 
 

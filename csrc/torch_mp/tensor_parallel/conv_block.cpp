@@ -9,13 +9,20 @@
 #include "torch_mp/tensor_parallel/sharding.h"
 
 namespace torch_mp::tensor_parallel {
+namespace {
+
+// The convolutions' padding: the option, else "same" for an odd kernel (kernel_size / 2).
+int64_t padding_of(const ParallelConvBlockOptions& o) {
+  return o.padding().value_or(o.kernel_size() / 2);
+}
+
+}  // namespace
 
 void check_parallel_conv_block(const ParallelConvBlockOptions& o) {
   TORCH_CHECK(o.group(), "ParallelConvBlock: options.group() is not set");
   options::check_same_options(o, o.group(), "ParallelConvBlock");
-  const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
   TORCH_CHECK(o.in_channels() > 0 && o.mid_channels() > 0 && o.out_channels() > 0 &&
-                  o.kernel_size() > 0 && padding >= 0,
+                  o.kernel_size() > 0 && padding_of(o) >= 0,
               "ParallelConvBlock: channels and kernel_size must be positive and padding "
               "non-negative, got ",
               options::describe(o));
@@ -23,17 +30,15 @@ void check_parallel_conv_block(const ParallelConvBlockOptions& o) {
 }
 
 ColumnParallelConv2dOptions conv1_options(const ParallelConvBlockOptions& o) {
-  const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
   return ColumnParallelConv2dOptions(o.in_channels(), o.mid_channels(), o.kernel_size())
-      .padding(torch::ExpandingArray<2>(padding))
+      .padding(torch::ExpandingArray<2>(padding_of(o)))
       .bias(o.bias())
       .group(o.group());
 }
 
 RowParallelConv2dOptions conv2_options(const ParallelConvBlockOptions& o) {
-  const int64_t padding = o.padding().value_or(o.kernel_size() / 2);
   return RowParallelConv2dOptions(o.mid_channels(), o.out_channels(), o.kernel_size())
-      .padding(torch::ExpandingArray<2>(padding))
+      .padding(torch::ExpandingArray<2>(padding_of(o)))
       .bias(o.bias())
       .group(o.group());
 }
