@@ -200,6 +200,39 @@ def test_the_file_is_safetensors_both_ways(tmp_path):
         assert torch.equal(read[key], value), key
 
 
+# Every dtype torch has a safetensors name for (docs/checkpoint-format.md §9).
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint64, torch.uint32, torch.uint16, torch.uint8,
+          torch.bool, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
+          torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.complex64]  # fmt: skip
+
+
+def test_every_dtype_torch_has_is_safetensors_both_ways(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    raw = torch.arange(48, dtype=torch.uint8).reshape(2, 24)
+    tensors = {
+        str(d).removeprefix("torch."): raw.view(d).clone() for d in DTYPES if d != torch.bool
+    }
+    tensors["bool"] = raw % 2 == 1
+    ours, back = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    checkpoint.save_file(tensors, ours)
+    safetensors_torch.save_file(tensors, str(back))
+    for read in (safetensors_torch.load_file(str(ours)), checkpoint.load_file(back)[0]):
+        assert sorted(read) == sorted(tensors)
+        for key, value in tensors.items():
+            assert read[key].dtype == value.dtype and read[key].shape == value.shape, key
+            assert torch.equal(read[key].view(torch.uint8), value.view(torch.uint8)), key
+    # F4: torch holds two values an element, so the file's last size is twice torch's.
+    pairs = {"f4": torch.arange(6, dtype=torch.uint8).reshape(2, 3).view(torch.float4_e2m1fn_x2)}
+    checkpoint.save_file(pairs, ours)
+    assert (
+        checkpoint.load_file(ours)[0]["f4"].view(torch.uint8).equal(pairs["f4"].view(torch.uint8))
+    )
+    theirs = safetensors_torch.load_file(str(ours))["f4"]
+    assert theirs.dtype == torch.float4_e2m1fn_x2 and theirs.shape == (2, 3)
+    assert theirs.view(torch.uint8).equal(pairs["f4"].view(torch.uint8))
+
+
 _WRITER = """
 import sys, torch
 from torch_mp import checkpoint

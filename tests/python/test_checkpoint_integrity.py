@@ -213,7 +213,8 @@ def test_the_checksum_is_crc32c_as_defined():
 
 
 def _strip_checksums(path: str) -> None:
-    """Rewrites the checkpoint ``path`` as torch_mp wrote it before it recorded checksums."""
+    """Rewrites the checkpoint ``path`` as torch_mp wrote it before it recorded checksums (in
+    format version 2, where they are optional)."""
     for name in os.listdir(path):
         file = os.path.join(path, name)
         if name.endswith(".safetensors"):
@@ -231,6 +232,7 @@ def _strip_checksums(path: str) -> None:
                 index = json.load(f)
             for field in ("checksums", "header_checksums", "index_crc32c"):
                 del index[field]
+            index["version"] = 2
             with open(file, "w") as f:
                 json.dump(index, f)
 
@@ -253,6 +255,13 @@ def test_a_checkpoint_without_checksums_loads_with_a_note_that_it_cannot_be_veri
         assert any("records no checksums" in n and "cannot be verified" in n for n in notes)
     with pytest.warns(UserWarning, match="cannot be verified"):
         assert checkpoint.verify(path) == []
+    # In version 3 the checksums are mandatory: the same files are refused.
+    with open(os.path.join(path, "index.json")) as f:
+        index = json.load(f)
+    with open(os.path.join(path, "index.json"), "w") as f:
+        json.dump(index | {"version": 3}, f)
+    for message in get_world(2).run(_load, path):
+        assert "index.json is not a valid checkpoint index" in message, message
 
 
 def _export(path: str) -> None:

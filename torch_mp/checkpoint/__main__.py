@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         for block in report.corrupt:
             print(block.message)
         for file in report.unchecked:
-            print(f"{path}: {file} records no checksums: it cannot be verified")
+            print(f"{path}: {file} records no checksums, or not all: it cannot be verified")
         if report.corrupt:
             state = f"{len(report.corrupt)} corrupt"
         elif report.unchecked:

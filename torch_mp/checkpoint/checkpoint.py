@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ from torch_mp.checkpoint.dense import (
     _raise_anywhere,
     _renamer,
 )
+from torch_mp.checkpoint.extra import pickled, unpickled
 from torch_mp.checkpoint.safetensors import load_file
 from torch_mp.checkpoint.verify import warn_if_unchecked
 from torch_mp.data_parallel import whole_parameters
@@ -125,12 +125,17 @@ def save(
     *,
     rename: Rename | Sequence[Rename] = None,
     mesh: Mesh | None = None,
+    weights_only: bool = True,
 ) -> None:
     """Saves ``model`` (this rank's module or pipeline stages), ``optimizer``'s state and
-    ``extra`` (anything ``torch.save`` takes; a dict's str, int, float and bool items also go,
+    ``extra`` (what ``torch.load(..., weights_only=True)`` reads back: tensors, numbers,
+    strings, lists, tuples, dicts, and types allow-listed with
+    ``torch.serialization.add_safe_globals``; a dict's str, int, float and bool items also go,
     as strings, to a C++ ``torch_mp::checkpoint::load``) to the directory ``path``. Collective
     over every rank of the mesh; each rank of data rank 0 writes its own parts, nothing is
-    gathered.
+    gathered. An ``extra`` that :func:`load`'s default would refuse is refused here, on every
+    rank, naming its types, unless ``weights_only=False`` (then it must be loaded with
+    ``weights_only=False`` too: only for files you trust).
     ``rename`` maps the stages' names to the dense model's, as for :func:`export_dense`, so that
     the checkpoint loads into any other layout, from Python or C++.
 
@@ -141,7 +146,7 @@ def save(
     An :func:`async_save` still running is waited for first.
     """
     with whole_parameters(_modules(model)):  # (ZeRO-3: sharded parameters gathered)
-        request = _save_request(path, model, optimizer, extra, rename, mesh)
+        request = _save_request(path, model, optimizer, extra, rename, mesh, weights_only)
         _C.checkpoint.save(*request, _world_name())
 
 
@@ -153,6 +158,7 @@ def async_save(
     *,
     rename: Rename | Sequence[Rename] = None,
     mesh: Mesh | None = None,
+    weights_only: bool = True,
 ) -> _C.checkpoint.AsyncSave:
     """:func:`save` in the background: what it will write is copied before it returns (to
     pinned CPU memory from a GPU, a copy on a CPU), so training may change the parameters and
@@ -172,7 +178,7 @@ def async_save(
         atexit.register(_C.checkpoint.wait_for_pending_save)
         _waits_at_exit = True
     with whole_parameters(_modules(model)):  # (copied before async_save returns)
-        request = _save_request(path, model, optimizer, extra, rename, mesh)
+        request = _save_request(path, model, optimizer, extra, rename, mesh, weights_only)
         # The core makes the background saves' group over the world the first time.
         store = dist.distributed_c10d._get_default_store()
         return _C.checkpoint.async_save(*request, _world_name(), store)
@@ -182,7 +188,7 @@ def async_save(
 _waits_at_exit = False
 
 
-def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
+def _save_request(path, model, optimizer, extra, rename, mesh, weights_only) -> tuple:
     """What this rank's save writes: the arguments of the core's save but the group."""
     mesh = mesh or get_mesh()
     shards: list = []
@@ -212,9 +218,8 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
                         add(full, value, p if shaped else value)
                     else:
                         values[full] = value
+        extra_file = pickled(extra, weights_only=weights_only)
     _raise_anywhere(problems, "torch_mp.checkpoint.save failed", None)
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
     metadata = {
         "mesh": f"tp={mesh.tp_size} pp={mesh.pp_size} dp={mesh.dp_size}",
         "saved_by": "torch_mp Python",
@@ -235,7 +240,7 @@ def _save_request(path, model, optimizer, extra, rename, mesh) -> tuple:
     }
     mine, files, kept = _C.checkpoint.plan_save(sizes_and_ranks, over_experts)
     shards = [shards[i] for i in kept]
-    return os.fspath(path), shards, mine, files, metadata, {EXTRA: buffer.getvalue()}
+    return os.fspath(path), shards, mine, files, metadata, {EXTRA: extra_file}
 
 
 def _state_by_parameter(optimizer: torch.optim.Optimizer | None) -> dict:
@@ -270,11 +275,17 @@ def load(
     *,
     rename: Rename | Sequence[Rename] = None,
     mesh: Mesh | None = None,
+    weights_only: bool = True,
 ) -> Any:
     """Loads a checkpoint written by :func:`save` (or by the C++ front end), from any layout,
     into ``model`` (this rank's module or pipeline stages, ``rename`` as when saving) and
     ``optimizer`` (its state tensors resharded with their parameters, its hyperparameters
     restored). Collective over every rank; each reads only the parts it needs.
+
+    A checkpoint is a file from elsewhere, and nothing in it runs: ``extra.pt`` is read with
+    ``torch.load(..., weights_only=True)`` (torch's restricted unpickler), before anything of
+    the model changes. ``weights_only=False`` unpickles it in full, which runs whatever code
+    the pickle names: only for checkpoints you trust.
 
     Returns:
         The ``extra`` given to :func:`save` (for a checkpoint saved from C++, its ``extra``
@@ -283,8 +294,10 @@ def load(
     Raises:
         RuntimeError: On every rank, if the checkpoint is incomplete (no index: a save that did
             not finish; a shard file missing) or lacks a tensor this layout needs, naming it;
-            nothing is changed then. On every rank too if a block read fails its checksum
-            (a damaged file), naming the file and the tensor.
+            nothing is changed then. Likewise, naming the file, if ``extra.pt`` holds a type
+            that ``weights_only=True`` refuses (and how to allow it), or a file is malformed
+            (docs/checkpoint-format.md §12). On every rank too if a block read fails its
+            checksum (a damaged file), naming the file and the tensor.
 
     Warns:
         UserWarning: If the checkpoint records no checksums (saved by an older torch_mp): it
@@ -300,6 +313,9 @@ def load(
     with whole_parameters(_modules(model), write_back=True):  # (ZeRO-3: each keeps its range)
         with _collected(problems):
             extra = reader.root_file(EXTRA)  # checked by its checksum, before anything changes
+            if extra is not None:
+                file = os.path.join(reader.path, EXTRA)
+                extra = (unpickled(extra, file, weights_only=weights_only),)
             named = _all_dense_tensors(model, rename)
             shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]
             if optimizer is not None:
@@ -326,7 +342,7 @@ def load(
             for p, state in loaded.items():
                 optimizer.state[p].update(state)
     if extra is not None:
-        return torch.load(io.BytesIO(extra), weights_only=False)
+        return extra[0]
     return {k[len("extra/") :]: v for k, v in metadata.items() if k.startswith("extra/")}
 
 

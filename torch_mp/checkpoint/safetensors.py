@@ -6,8 +6,9 @@ bytes, then the tensors' bytes, little-endian, C order.
 
 Writes are atomic: the file is written beside its destination under a temporary name, flushed
 to disk and renamed over it, so a process killed mid-write leaves the previous file whole.
-Every tensor's CRC-32C is recorded in the metadata entry ``crc32c`` and checked when it is read
-(docs/checkpoint-format.md §9.1).
+Every tensor's CRC-32C is recorded in the metadata entry ``torch_mp.crc32c`` and checked when
+it is read (docs/checkpoint-format.md §9.1). A file is read as untrusted input: exactly what the
+safetensors package reads is read, and everything it refuses is refused (§9.2).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def save_file(
     ``metadata`` to ``path``, atomically.
 
     Raises:
-        RuntimeError: On a dtype safetensors cannot hold (F64, F32, F16, BF16, I64, I32, I16,
-            I8, U8 and BOOL can), metadata under the reserved key ``crc32c``, or an I/O error,
-            naming the tensor or file.
+        RuntimeError: On a dtype safetensors cannot hold (every dtype torch has a safetensors
+            name for can: docs/checkpoint-format.md §9), metadata under the reserved key
+            ``torch_mp.crc32c``, or an I/O error, naming the tensor or file.
     """
     _C.checkpoint.save_file(
         {str(name): tensor.detach() for name, tensor in tensors.items()},
@@ -47,8 +48,9 @@ def load_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[st
     checksums).
 
     Raises:
-        RuntimeError: If the file cannot be read, is not safetensors, is cut short or a tensor
-            fails its checksum, naming what is wrong.
+        RuntimeError: If the file cannot be read, is not a valid safetensors file (whatever
+            the safetensors package refuses: docs/checkpoint-format.md §9.2), or a tensor
+            fails its checksum, naming the file and what is wrong.
     """
     tensors, metadata = _C.checkpoint.load_file(os.fspath(path))
     return dict(tensors), dict(metadata)

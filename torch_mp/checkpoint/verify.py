@@ -15,9 +15,9 @@ def warn_if_unchecked(reader) -> None:
     unchecked = reader.unchecked_files
     if unchecked:
         warnings.warn(
-            f"torch_mp.checkpoint: {reader.path} records no checksums (saved before torch_mp "
-            "recorded them, or by another program), so what is read of it cannot be verified: "
-            + ", ".join(os.path.basename(f) for f in unchecked),
+            f"torch_mp.checkpoint: {reader.path} records no checksums, or not all of them (saved "
+            "by an older torch_mp, or by another program), so what is read of it cannot be "
+            "verified: " + ", ".join(os.path.basename(f) for f in unchecked),
             stacklevel=3,
         )
 

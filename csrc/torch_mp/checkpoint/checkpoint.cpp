@@ -224,8 +224,8 @@ void warn_if_unchecked(const Reader& reader) {
   if (const auto unchecked = reader.unchecked_files(); !unchecked.empty()) {
     TORCH_WARN("torch_mp::checkpoint: ",
                reader.path(),
-               " records no checksums (saved before torch_mp recorded them, or by another "
-               "program), so what is read of it cannot be verified: ",
+               " records no checksums, or not all of them (saved by an older torch_mp, or by "
+               "another program), so what is read of it cannot be verified: ",
                summary_of(unchecked));
   }
 }

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstring>
@@ -14,45 +15,10 @@
 
 #include "torch_mp/checkpoint/checksum.h"
 #include "torch_mp/checkpoint/json.h"
+#include "torch_mp/checkpoint/safetensors_header.h"
 
 namespace torch_mp::checkpoint {
 namespace {
-
-struct DtypeName {
-  at::ScalarType dtype;
-  const char* name;
-};
-
-constexpr DtypeName kDtypes[] = {
-    {at::kDouble, "F64"},
-    {at::kFloat, "F32"},
-    {at::kHalf, "F16"},
-    {at::kBFloat16, "BF16"},
-    {at::kLong, "I64"},
-    {at::kInt, "I32"},
-    {at::kShort, "I16"},
-    {at::kChar, "I8"},
-    {at::kByte, "U8"},
-    {at::kBool, "BOOL"},
-};
-
-const char* name_of(at::ScalarType dtype, const std::string& tensor) {
-  for (const auto& d : kDtypes) {
-    if (d.dtype == dtype) {
-      return d.name;
-    }
-  }
-  TORCH_CHECK(false, "safetensors: ", tensor, " has dtype ", dtype, ", which it cannot hold");
-}
-
-at::ScalarType dtype_of(const std::string& name, const std::string& path) {
-  for (const auto& d : kDtypes) {
-    if (name == d.name) {
-      return d.dtype;
-    }
-  }
-  TORCH_CHECK(false, path, ": unknown safetensors dtype '", name, "'");
-}
 
 // A tensor's checksum: the CRC-32C of its dtype and shape as the header gives them ("F32 2,3"),
 // then of its bytes, so that a damaged header entry is caught as a damaged byte is.
@@ -73,18 +39,14 @@ std::string checksum_entry(const std::map<std::string, uint32_t>& checksums) {
   return text + "}";
 }
 
-// The checksums that the metadata entry `text` of the file `path` records.
-std::map<std::string, uint32_t> parse_checksum_entry(const std::string& text,
-                                                     const std::string& path) {
-  const auto json = parse_json(text, path + ": malformed checksums in the header");
-  TORCH_CHECK(json.kind == JsonValue::Kind::kObject, path, ": malformed checksums in the header");
-  std::map<std::string, uint32_t> checksums;
-  for (const auto& [name, value] : json.object) {
-    const auto crc = parse_checksum(value.string);
-    TORCH_CHECK(crc, path, ": malformed checksum '", value.string, "' of ", name);
-    checksums.emplace(name, *crc);
+// An empty tensor of `entry`'s dtype and shape. (One without elements is a view of none, as
+// reshape makes it: its contiguous strides may overflow, [0, 2^62, 4], where a view's need not.)
+at::Tensor empty_like_entry(const TensorEntry& entry) {
+  const auto options = at::TensorOptions(entry.dtype);
+  if (std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end()) {
+    return at::empty({0}, options).reshape(entry.shape);
   }
-  return checksums;
+  return at::empty(entry.shape, options);
 }
 
 // Raises checksum_problem's problem, if any.
@@ -115,7 +77,7 @@ void save_file(const TensorMap& tensors,
     checksums.emplace(
         name,
         tensor_checksum(
-            name_of(data.back().scalar_type(), name), data.back().sizes(), data.back()));
+            dtype_name(data.back().scalar_type(), name), data.back().sizes(), data.back()));
   }
   auto metadata = metadata_in;
   metadata.emplace(kChecksumKey, checksum_entry(checksums));
@@ -130,10 +92,11 @@ void save_file(const TensorMap& tensors,
   for (const auto& [name, tensor] : tensors) {
     const auto& cpu = data[index++];
     const auto bytes = static_cast<int64_t>(cpu.nbytes());
-    header << "," << quoted(name) << ":{\"dtype\":\"" << name_of(cpu.scalar_type(), name)
+    header << "," << quoted(name) << ":{\"dtype\":\"" << dtype_name(cpu.scalar_type(), name)
            << "\",\"shape\":[";
-    for (int64_t d = 0; d < cpu.dim(); ++d) {
-      header << (d ? "," : "") << cpu.size(d);
+    const auto shape = file_shape(cpu.scalar_type(), cpu.sizes(), name);
+    for (size_t d = 0; d < shape.size(); ++d) {
+      header << (d ? "," : "") << shape[d];
     }
     header << "],\"data_offsets\":[" << offset << "," << offset + bytes << "]}";
     offset += bytes;
@@ -171,91 +134,6 @@ void save_file(const TensorMap& tensors,
               path);
 }
 
-Header read_header(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in, "safetensors: cannot open ", path);
-  in.seekg(0, std::ios::end);
-  const auto size = static_cast<uint64_t>(in.tellg());
-  in.seekg(0);
-  TORCH_CHECK(size >= 8, path, ": not a safetensors file (", size, " bytes)");
-  unsigned char prefix[8];
-  in.read(reinterpret_cast<char*>(prefix), 8);
-  uint64_t length = 0;
-  for (int i = 7; i >= 0; --i) {
-    length = (length << 8) | prefix[i];
-  }
-  TORCH_CHECK(8 + length <= size,
-              path,
-              ": not a safetensors file, or cut short (header of ",
-              length,
-              " bytes)");
-  std::string text(length, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(length));
-  TORCH_CHECK(in, path, ": reading the header failed");
-  const auto json = parse_json(text, path + ": not a safetensors file");
-  TORCH_CHECK(json.kind == JsonValue::Kind::kObject, path, ": the header is not an object");
-  Header header;
-  header.data_start = 8 + length;
-  for (const auto& [name, entry] : json.object) {
-    if (name == "__metadata__") {
-      for (const auto& [key, value] : entry.object) {
-        if (key == kChecksumKey) {
-          header.checksums = parse_checksum_entry(value.string, path);
-        } else {
-          header.metadata[key] = value.string;
-        }
-      }
-      continue;
-    }
-    const auto& fields = entry.object;
-    TORCH_CHECK(fields.count("dtype") && fields.count("shape") && fields.count("data_offsets"),
-                path,
-                ": tensor ",
-                name,
-                " lacks dtype, shape or data_offsets");
-    TensorEntry tensor{dtype_of(fields.at("dtype").string, path), {}, 0, 0};
-    for (const auto& d : fields.at("shape").array) {
-      tensor.shape.push_back(d.number);
-    }
-    const auto& offsets = fields.at("data_offsets").array;
-    TORCH_CHECK(offsets.size() == 2, path, ": tensor ", name, " has malformed data_offsets");
-    tensor.begin = static_cast<uint64_t>(offsets[0].number);
-    tensor.end = static_cast<uint64_t>(offsets[1].number);
-    int64_t numel = 1;
-    for (const auto d : tensor.shape) {
-      numel *= d;
-    }
-    TORCH_CHECK(tensor.end >= tensor.begin && header.data_start + tensor.end <= size &&
-                    tensor.end - tensor.begin ==
-                        static_cast<uint64_t>(numel * c10::elementSize(tensor.dtype)),
-                path,
-                ": tensor ",
-                name,
-                " is cut short or does not match its shape");
-    header.tensors.emplace(name, std::move(tensor));
-  }
-  return header;
-}
-
-uint32_t header_checksum(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in, "safetensors: cannot open ", path);
-  unsigned char prefix[8] = {};
-  in.read(reinterpret_cast<char*>(prefix), 8);
-  TORCH_CHECK(in, path, ": not a safetensors file");
-  uint64_t length = 0;
-  for (int i = 7; i >= 0; --i) {
-    length = (length << 8) | prefix[i];
-  }
-  in.seekg(0, std::ios::end);
-  TORCH_CHECK(8 + length <= static_cast<uint64_t>(in.tellg()), path, ": the header is cut short");
-  in.seekg(8);
-  std::string text(length, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(length));
-  TORCH_CHECK(in, path, ": reading the header failed");
-  return crc32c(text.data(), text.size(), crc32c(prefix, 8));
-}
-
 std::optional<std::string> checksum_problem(const std::string& path,
                                             const Header& header,
                                             const std::string& name,
@@ -269,7 +147,7 @@ std::optional<std::string> checksum_problem(const std::string& path,
            " (the header is damaged)";
   }
   const auto& entry = header.tensors.at(name);
-  const uint32_t actual = tensor_checksum(name_of(entry.dtype, name), entry.shape, data);
+  const uint32_t actual = tensor_checksum(dtype_name(entry.dtype, name), entry.shape, data);
   if (actual == recorded->second) {
     return std::nullopt;
   }
@@ -288,7 +166,7 @@ TensorMap load_tensors(const std::string& path,
     const auto it = header.tensors.find(name);
     TORCH_CHECK(it != header.tensors.end(), path, " holds no tensor ", name);
     const auto& entry = it->second;
-    auto tensor = at::empty(entry.shape, at::TensorOptions(entry.dtype));
+    auto tensor = empty_like_entry(entry);
     if (tensor.nbytes() > 0) {
       in.seekg(static_cast<std::streamoff>(header.data_start + entry.begin));
       in.read(static_cast<char*>(tensor.data_ptr()), static_cast<std::streamsize>(tensor.nbytes()));

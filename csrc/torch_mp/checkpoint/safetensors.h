@@ -13,7 +13,8 @@
 // metadata entry "torch_mp.crc32c" (a JSON object, as a string, since safetensors metadata
 // values are strings) and checks it whenever it reads the tensor, so a damaged file is
 // refused, naming it and the tensor, instead of loaded. Files without the entry (other
-// writers', torch_mp's before it) are read unchecked.
+// writers', torch_mp's before it) are read unchecked. Headers are read as untrusted input, by
+// the safetensors package's own rules (safetensors_header.h).
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -24,51 +25,21 @@
 #include <string>
 #include <vector>
 
+#include "torch_mp/checkpoint/safetensors_header.h"
+
 namespace torch_mp::checkpoint {
 
 /// Tensors by name, in name order.
 using TensorMap = std::map<std::string, at::Tensor>;
 
-/// The metadata key under which a file's checksums are recorded.
-inline constexpr const char* kChecksumKey = "torch_mp.crc32c";
-
 /// Writes `tensors` (copied to CPU), their checksums and `metadata` to `path`, atomically: into
 /// a temporary file beside it, flushed to disk, then renamed over `path`, so that a process
 /// killed mid-write leaves the previous file whole. Raises on a dtype safetensors cannot hold
-/// (F64, F32, F16, BF16, I64, I32, I16, I8, U8 and BOOL can), on metadata under the reserved
-/// key "torch_mp.crc32c", or on an I/O error, naming the file.
+/// (every dtype torch has a safetensors name for can: safetensors_header.h), on metadata under
+/// the reserved key "torch_mp.crc32c", or on an I/O error, naming the file.
 void save_file(const TensorMap& tensors,
                const std::string& path,
                const std::map<std::string, std::string>& metadata = {});
-
-/// Where one tensor lies in a safetensors file.
-struct TensorEntry {
-  at::ScalarType dtype;
-  std::vector<int64_t> shape;
-  uint64_t begin = 0;  // byte offsets in the data, which starts at Header::data_start
-  uint64_t end = 0;
-};
-
-/// A safetensors file's header: its tensors by name, its metadata (without the checksums) and
-/// the checksums it records.
-struct Header {
-  std::map<std::string, TensorEntry> tensors;
-  std::map<std::string, std::string> metadata;
-  /// Each tensor's CRC-32C by name; empty for a file written without them.
-  std::map<std::string, uint32_t> checksums;
-  uint64_t data_start = 0;
-
-  /// Whether the file records checksums (one without tensors needs none).
-  bool checksummed() const { return !checksums.empty() || tensors.empty(); }
-};
-
-/// Reads only the header of the safetensors file `path` (checked against the file's size).
-Header read_header(const std::string& path);
-
-/// The CRC-32C of the header of the safetensors file `path` (its 8-byte length and its JSON):
-/// what a checkpoint's index records of each shard file, so that a damaged header (a dtype,
-/// the checksums themselves) or a file from another save is caught.
-uint32_t header_checksum(const std::string& path);
 
 /// What is wrong with `data`, read as the tensor `name` of the file `path`: its CRC-32C is not
 /// the one `header` records, or the file records checksums but none for it. nullopt when it
@@ -93,8 +64,8 @@ void load_into(const std::string& path,
                const at::Tensor& destination);
 
 /// Reads a safetensors file: its tensors (on CPU) and, if `metadata` is given, its metadata.
-/// Raises, naming the file, if it is not safetensors, is cut short or a tensor fails its
-/// checksum.
+/// Raises, naming the file, if it is not a valid safetensors file (whatever the safetensors
+/// package refuses: safetensors_header.h) or a tensor fails its checksum.
 TensorMap load_file(const std::string& path,
                     std::map<std::string, std::string>* metadata = nullptr);
 

@@ -113,6 +113,10 @@ void Reader::open_directory(const std::string& path) {
 
 std::vector<std::string> Reader::unchecked_files() const {
   std::vector<std::string> unchecked;
+  if (index_.version < 3) {  // (its own checksum and its files' are optional)
+    unchecked.push_back((fs::path(path_) / kIndex).string() + " (format version " +
+                        std::to_string(index_.version) + ")");
+  }
   for (const auto& [file, header] : files_) {
     if (!header.checksummed()) {
       unchecked.push_back(file);
@@ -122,14 +126,24 @@ std::vector<std::string> Reader::unchecked_files() const {
 }
 
 std::optional<std::string> Reader::root_file(const std::string& name) const {
-  const auto file = fs::path(path_) / name;
   if (fs::is_regular_file(path_)) {
     return std::nullopt;
   }
-  if (!fs::exists(file)) {
+  const auto file = fs::path(path_) / name;
+  const auto status = fs::symlink_status(file);
+  if (!fs::exists(status)) {
     TORCH_CHECK(!index_.checksums.count(name), path_, " lacks ", name, ", which it was saved with");
     return std::nullopt;
   }
+  // (checked before a byte is read: a link or a device could be anything)
+  TORCH_CHECK(fs::is_regular_file(status),
+              file.string(),
+              " is not read: it is not a regular file (a link, a device or a directory)");
+  TORCH_CHECK(index_.checksums.count(name) || index_.version < 3,
+              file.string(),
+              " is not read: ",
+              kIndex,
+              " records no checksum of it (a file that was not saved with the checkpoint)");
   std::ifstream in(file, std::ios::binary);
   std::string contents{std::istreambuf_iterator<char>(in), {}};
   TORCH_CHECK(in.good() || in.eof(), "reading ", file.string(), " failed");

@@ -47,12 +47,14 @@ class Reader {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   /// The directory or file read.
   const std::string& path() const { return path_; }
-  /// The files that record no checksums (written before torch_mp recorded them, or by another
-  /// program): what is read of them cannot be verified.
+  /// What cannot be verified: the files that record no checksums (written before torch_mp
+  /// recorded them, or by another program) and, for a checkpoint of format version 2, its
+  /// index (whose checksums are optional).
   std::vector<std::string> unchecked_files() const;
   /// The contents of the root file `name` (as save's root_files, e.g. "extra.pt"), checked
   /// against the checksum the index records for it; nullopt if the checkpoint has no such
-  /// file. Raises, naming it, if it is corrupt.
+  /// file. Raises, naming it, if it is corrupt, is not a regular file, or (format version 3)
+  /// the index records no checksum of it.
   std::optional<std::string> root_file(const std::string& name) const;
 
   /// Fills every shard's tensor with its part of the checkpoint's tensor of its name (padding

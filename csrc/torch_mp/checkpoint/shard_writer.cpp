@@ -148,8 +148,9 @@ void write_checkpoint(const std::string& path_in,
   auto failure = failure_anywhere(problems, what, group);
   if (!failure) {
     if (root) {
-      collect_problems(problems,
-                       [&] { publish(partial, path, tag, Index{files, metadata}, root_files); });
+      collect_problems(problems, [&] {
+        publish(partial, path, tag, Index{.files = files, .metadata = metadata}, root_files);
+      });
     }
     failure = failure_anywhere(problems, what, group);
   }

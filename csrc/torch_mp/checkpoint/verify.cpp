@@ -87,6 +87,10 @@ std::vector<FileToCheck> files_of(const std::string& path,
     report.corrupt.push_back({kIndex, "", "", text_of(e)});
     return {};
   }
+  if (index.version < 3) {
+    report.unchecked.push_back(std::string(kIndex) + " (format version " +
+                               std::to_string(index.version) + ": its checksums are optional)");
+  }
   std::vector<FileToCheck> files;
   for (const auto& name : index.files) {
     files.push_back({(fs::path(directory) / name).string(), name, false});
