@@ -315,6 +315,7 @@ def load(
             extra = reader.root_file(EXTRA)  # checked by its checksum, before anything changes
             if extra is not None:
                 file = os.path.join(reader.path, EXTRA)
+                # (in a tuple: a saved None is a value, no extra.pt is none)
                 extra = (unpickled(extra, file, weights_only=weights_only),)
             named = _all_dense_tensors(model, rename)
             shards += [_shard(MODEL + name, tensor, tensor, mesh) for name, tensor, _ in named]

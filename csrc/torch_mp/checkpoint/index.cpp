@@ -44,7 +44,7 @@ uint32_t content_checksum(const JsonValue& root) {
 // The reading of one index file: every refusal names it.
 class IndexParser {
  public:
-  IndexParser(const std::string& path) : path_(path) {}
+  explicit IndexParser(const std::string& path) : path_(path) {}
 
   Index parse(std::string_view text) {
     const auto root = parse_json(text, path_ + ": not a checkpoint index");
