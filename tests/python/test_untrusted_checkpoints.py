@@ -100,7 +100,7 @@ def test_a_crafted_extra_pt_is_refused_and_nothing_runs(ranks, tmp_path):
         record_checksums(path, index_of(path))
         for error, untouched in world.run(_load, path):
             assert error and f"{path}/extra.pt" in error, (kind, error)
-            assert "posix.system" in error or "system" in error, error
+            assert "posix.system" in error, error  # (the global the pickle names)
             assert "add_safe_globals" in error and "weights_only=False" in error, error
             assert untouched, "the model changed before extra.pt was refused"
         assert not marker.exists(), f"{kind}: loading the checkpoint ran its code"
