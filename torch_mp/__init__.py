@@ -24,6 +24,7 @@ from torch_mp import (
     random,
     tensor_parallel,
 )
+from torch_mp._C import LayoutError
 from torch_mp.check_finite import check_finite
 from torch_mp.data_parallel import DataParallel
 from torch_mp.layout import ParameterLayout, layout_of, set_layout
@@ -53,6 +54,7 @@ __all__ = [
     "DataParallel",
     "DistributedOptimizer",
     "GradScaler",
+    "LayoutError",
     "Mesh",
     "ParameterLayout",
     "ParallelConvBlock",

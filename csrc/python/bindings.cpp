@@ -11,6 +11,7 @@
 #include "torch_mp/agreement.h"
 #include "torch_mp/collectives.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/errors.h"
 #include "torch_mp/live_storages.h"
 #include "torch_mp/mesh.h"
 
@@ -32,8 +33,44 @@ void bind_tensor_parallel(py::module_& module);   // tensor_parallel_bindings.cp
 using torch_mp::python::ReleaseGil;
 using torch_mp::python::resolve;
 
+namespace {
+
+// torch_mp.LayoutError: made once, at import, kept for the process's life.
+PyObject* layout_error = nullptr;
+
+// The one translator of the core's typed refusals (torch_mp/errors.h) into Python types; c10's
+// own (c10::ValueError as ValueError, ...) torch's translator already gives.
+void bind_errors(py::module_& m) {
+  const py::tuple bases =
+      py::make_tuple(py::handle(PyExc_ValueError), py::handle(PyExc_RuntimeError));
+  layout_error = PyErr_NewExceptionWithDoc(
+      "torch_mp.LayoutError",
+      "A layout the model cannot take: a size not divisible by a parallel degree, or a setting "
+      "the layout cannot run (torch_mp::LayoutError). Raised alike by the runtime and by "
+      "torch_mp.plan.estimate, with the same message. A ValueError; also a RuntimeError, what "
+      "these refusals were before they had a type.",
+      bases.ptr(),
+      nullptr);
+  if (layout_error == nullptr) {
+    throw py::error_already_set();
+  }
+  m.attr("LayoutError") = py::handle(layout_error);
+  py::register_local_exception_translator([](std::exception_ptr raised) {
+    try {
+      if (raised) {
+        std::rethrow_exception(raised);
+      }
+    } catch (const torch_mp::LayoutError& e) {
+      PyErr_SetString(layout_error, e.what_without_backtrace());
+    }
+  });
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_mp C++ core (use the torch_mp package, not this module)";
+  bind_errors(m);
   torch_mp::python::bind_layer_declarations(m);
   torch_mp::python::bind_data_parallel(m);
   torch_mp::python::bind_optim(m);

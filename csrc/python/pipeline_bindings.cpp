@@ -199,6 +199,7 @@ void bind_pipeline(py::module_& parent) {
   m.def("make_nccl_safe", &make_nccl_safe, py::arg("schedule"));
   m.def("balanced_partition", &balanced_partition, py::arg("costs"), py::arg("num_stages"));
   m.def("schedule_names", &schedule_names);
+  m.def("default_stages_per_rank", &default_stages_per_rank, py::arg("name"));
   m.def("make_schedule",
         &make_schedule,
         py::arg("name"),

@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/errors.h"
 
 namespace torch_mp {
 
@@ -25,24 +26,24 @@ MeshShape MeshShape::infer(
   const std::string factors =
       std::to_string(tp) + " * " + std::to_string(pp) + (cp == 1 ? "" : " * " + std::to_string(cp));
   if (!dp) {
-    TORCH_CHECK(world_size % (tp * pp * cp) == 0,
-                "torch_mp.init: world size ",
-                world_size,
-                " is not divisible by ",
-                product,
-                " = ",
-                factors);
+    TORCH_MP_CHECK_LAYOUT(world_size % (tp * pp * cp) == 0,
+                          "torch_mp.init: world size ",
+                          world_size,
+                          " is not divisible by ",
+                          product,
+                          " = ",
+                          factors);
     dp = world_size / (tp * pp * cp);
   }
-  TORCH_CHECK(tp * pp * *dp * cp == world_size,
-              "torch_mp.init: world size ",
-              world_size,
-              " is not ",
-              product,
-              " * dp = ",
-              factors,
-              " * ",
-              *dp);
+  TORCH_MP_CHECK_LAYOUT(tp * pp * *dp * cp == world_size,
+                        "torch_mp.init: world size ",
+                        world_size,
+                        " is not ",
+                        product,
+                        " * dp = ",
+                        factors,
+                        " * ",
+                        *dp);
   TORCH_CHECK(ep > 0 && (*dp * cp) % ep == 0,
               "torch_mp.init: ep (",
               ep,

@@ -14,6 +14,7 @@
 #include "torch_mp/data_parallel/shard_layout.h"           // IWYU pragma: export
 #include "torch_mp/data_parallel/sharded_gradient_sync.h"  // IWYU pragma: export
 #include "torch_mp/dense.h"                                // IWYU pragma: export
+#include "torch_mp/errors.h"                               // IWYU pragma: export
 #include "torch_mp/layout.h"                               // IWYU pragma: export
 #include "torch_mp/mesh.h"                                 // IWYU pragma: export
 #include "torch_mp/moe/dense_moe.h"                        // IWYU pragma: export

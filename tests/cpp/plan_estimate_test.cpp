@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "tensor_checks.h"
+#include "torch_mp/errors.h"
 #include "torch_mp/plan/estimate.h"
 
 namespace torch_mp::plan {
@@ -38,8 +39,7 @@ TEST(PlanEstimate, ModelStatesAreSixteenBytesAParameterAndZeroShardsThem) {
   EXPECT_EQ(zero1.optimizer_state, 8 * ((kParameters + 3) / 4));
   // bf16 with fp32 masters: 2-byte parameters, fp32 main gradients (whole buckets), masters.
   Layout bf16 = layout(2, 2);
-  bf16.dtype_bytes = 2;
-  bf16.master_bytes = 4;
+  bf16.dtype = c10::kBFloat16;  // (master_dtype: float32, the recipe's)
   const RankEstimate mixed = estimate(kGpt, bf16).ranks.at(0);
   EXPECT_EQ(mixed.parameters, 2 * kParameters);
   EXPECT_EQ(mixed.gradients, 4 * kParameters);
@@ -174,7 +174,11 @@ TEST(PlanEstimate, ExpertsAreSplitOverTheExpertGroupAndTheBusiestRankCounted) {
 TEST(PlanEstimate, ALayoutTheModelCannotTakeIsRefusedByName) {
   Layout l = layout();
   l.tp = 3;
-  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "divisible by tp=3"));
+  // The layer's own check, in its words, and typed: what the runtime raises for the same sizes.
+  EXPECT_THROW(estimate(kGpt, l), LayoutError);
+  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }),
+                       "ParallelSelfAttention: num_heads (4) must be divisible by the "
+                       "tensor-parallel size (3)"));
   l = layout();
   l.ep = 2;
   EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "needs MoE layers"));
@@ -183,7 +187,7 @@ TEST(PlanEstimate, ALayoutTheModelCannotTakeIsRefusedByName) {
   EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "divisible by 2 * cp"));
   l = layout();
   l.schedule = "looped";
-  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "unknown schedule \"looped\""));
+  EXPECT_TRUE(mentions(error_of([&] { estimate(kGpt, l); }), "unknown schedule 'looped'"));
 }
 
 }  // namespace

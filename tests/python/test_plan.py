@@ -112,13 +112,13 @@ def test_a_meta_model_is_estimated_from_its_config():
 @pytest.mark.parametrize(
     "keywords, message",
     [
-        ({"tp": 3}, "divisible by tp=3"),
+        ({"tp": 3}, "num_heads \\(4\\) must be divisible by the tensor-parallel size \\(3\\)"),
         ({"pp": 3}, "4 layers cannot be cut into 3 equal stages"),
         ({"ep": 2}, "needs MoE layers"),
         ({"cp": 3}, "divisible by 2 \\* cp"),
         ({"zero": 3, "pp": 2}, "ZeRO-3"),
         ({"zero": 2, "pp": 2, "schedule": "interleaved_1f1b", "num_microbatches": 4}, "ZeRO-2"),
-        ({"schedule": "looped"}, 'unknown schedule "looped"'),
+        ({"schedule": "looped"}, "unknown schedule 'looped'"),
         ({"optimizer": "lion"}, "optimizer must be"),
         ({"recompute": "most"}, "recompute must be"),
         ({"seq_len": 65}, "exceeds the model's 64 positions"),
@@ -133,7 +133,10 @@ def test_a_layout_the_model_cannot_take_is_refused_by_name(keywords, message):
 @pytest.mark.parametrize(
     "keywords, message",
     [
-        ({"ep": 3, "dp": 3}, "moe_experts \\(4\\) must be divisible by ep=3"),
+        (
+            {"ep": 3, "dp": 3},
+            "num_experts \\(4\\) must be divisible by the expert-parallel size \\(3\\)",
+        ),
         ({"ep": 2}, "ep=2 must divide dp x cp=1"),
         ({"ep": 2, "dp": 2, "zero": 1}, "zero must be 0"),
         ({"ep": 2, "dp": 2, "dtype": torch.bfloat16}, "no fp32 masters"),

@@ -29,7 +29,8 @@ def test_the_layouts_fit_and_come_fastest_first():
         k = c.keywords
         assert k["tp"] * k["pp"] * k["dp"] * k["cp"] == 16 and c.peak <= 20e9
         assert k["dp"] * k["micro_batch"] * k["num_microbatches"] == 64
-        again = plan.estimate(GPT, machine="h100", **k)  # (the same numbers as the estimate's)
+        assert isinstance(c.layout, plan.Layout) and plan.Layout(**k) == c.layout
+        again = plan.estimate(GPT, c.layout, machine="h100")  # (the estimate's own numbers)
         assert again.time.seconds == c.seconds and max(r.peak for r in again.ranks) == c.peak
     assert len({c.describe() for c in best}) == 50
     # more memory: never slower

@@ -411,7 +411,7 @@ def build_stages(
     num_stages = mesh.pp_size * stages_per_rank
     layers = len(dense.layers)
     if layers % num_stages:
-        raise ValueError(f"{layers} layers cannot be cut into {num_stages} equal stages")
+        raise torch_mp.LayoutError(f"{layers} layers cannot be cut into {num_stages} equal stages")
     per_stage = layers // num_stages
     return [
         GPTStage(

@@ -73,7 +73,7 @@ class Trainer3D:
 
     def __init__(self, dense: DenseGPT, mesh: torch_mp.Mesh, options: TrainingOptions) -> None:
         self.mesh, self.options = mesh, options
-        stages_per_rank = 2 if options.schedule == "interleaved_1f1b" else 1
+        stages_per_rank = torch_mp.pipeline.default_stages_per_rank(options.schedule)
         self.stages = build_stages(
             dense,
             mesh,

@@ -53,6 +53,7 @@ import fnmatch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from torch_mp._C import LayoutError
 from torch_mp.mesh import Mesh, get_mesh
 from torch_mp.parallelize.experts import ExpertParallel
 from torch_mp.parallelize.plans import (
@@ -155,7 +156,7 @@ def _check_config_counts(model: nn.Module, chosen: dict, mesh: Mesh) -> None:
     for module, field, count in counts:
         if count % mesh.tp_size:
             fitting = [t for t in range(1, count + 1) if all(c % t == 0 for _, _, c in counts)]
-            raise ValueError(
+            raise LayoutError(
                 f"parallelize: {module!r}: the model's config.{field} ({count}) is not divisible "
                 f"by the tensor-parallel size ({mesh.tp_size}); tensor-parallel sizes that "
                 f"divide every count the plan splits: {fitting}"

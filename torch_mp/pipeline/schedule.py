@@ -17,6 +17,15 @@ def schedule_names() -> list[str]:
     return _core.schedule_names()
 
 
+def default_stages_per_rank(name: str) -> int:
+    """The stages each pipeline rank runs under the schedule ``name`` when nothing says
+    otherwise: 2 for those that interleave (``"interleaved_1f1b"``, ``"interleaved_zb"``) or fold
+    into a V (``"zbv"``), 1 for the others; what :class:`torch_mp.models.Trainer3D` builds and
+    :func:`torch_mp.plan.estimate` counts. Raises :class:`torch_mp.LayoutError` on an unknown
+    name."""
+    return _core.default_stages_per_rank(name)
+
+
 def schedule(
     name: str, num_stages: int, num_microbatches: int, stages_per_rank: int = 1
 ) -> Schedule:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from torch_mp import _C
+from torch_mp._C import LayoutError
+from torch_mp.plan.layout import Layout, as_layout, mesh_sizes
 from torch_mp.plan.machine import Machine, parse_bytes
 from torch_mp.plan.measure import measure, measure_time
 from torch_mp.plan.module import trace_module, vocab_of
@@ -24,6 +26,8 @@ from torch_mp.plan.trace import DECODERS, MOE_DECODERS, trace
 __all__ = [
     "Candidate",
     "Estimate",
+    "Layout",
+    "LayoutError",
     "Machine",
     "RankEstimate",
     "StepTime",
@@ -56,7 +60,7 @@ StepTime = _C.StepTime
 _TRACES: dict = {}  # traces by (config, tp, ep, load, micro_batch, seq_len, dtype), oldest first
 
 
-def _shape(model, layout: dict, dtype: torch.dtype):
+def _shape(model, layout: Layout):
     """The core's model arguments: the sizes, for a Hugging Face decoder its trace, and the
     experts each token is routed to."""
     from torch_mp.models import GPTConfig
@@ -69,10 +73,9 @@ def _shape(model, layout: dict, dtype: torch.dtype):
     if kind in DECODERS:
         experts = getattr(config, "num_local_experts", 0) if kind in MOE_DECODERS else 0
         top_k = getattr(config, "num_experts_per_tok", 2)
-        tp, ep = layout["tp"], layout["ep"]
+        tp, ep, dtype = layout.tp, layout.ep, layout.dtype
         load = _C.plan_expert_load(top_k, layout) if experts else 1.0
-        key = (config.to_json_string(), tp, ep, load, layout["micro_batch"], layout["seq_len"])
-        key += (dtype,)
+        key = (config.to_json_string(), tp, ep, load, layout.micro_batch, layout.seq_len, dtype)
         if key not in _TRACES:  # (the planner estimates many layouts of one trace)
             if len(_TRACES) >= 64:
                 _TRACES.pop(next(iter(_TRACES)))
@@ -83,7 +86,7 @@ def _shape(model, layout: dict, dtype: torch.dtype):
         sizes = (config.vocab_size, 0, config.hidden_size, heads, config.intermediate_size)
         return (*sizes, config.num_hidden_layers, experts), _TRACES[key], top_k
     if isinstance(model, torch.nn.Module):  # any other language model, traced whole
-        traced = trace_module(model, **_sizes(layout), dtype=dtype)
+        traced = trace_module(model, **_sizes(layout), dtype=layout.dtype)
         return (vocab_of(model), 0, 1, 1, 0, 0, 0), traced, 2
     taken = "a torch_mp.models.GPTConfig or DenseGPT, a Hugging Face config or model of "
     raise TypeError(
@@ -93,39 +96,12 @@ def _shape(model, layout: dict, dtype: torch.dtype):
     )
 
 
-def _sizes(layout: dict) -> dict:
-    return {"micro_batch": layout["micro_batch"], "seq_len": layout["seq_len"]}
-
-
-def _bytes(dtype: torch.dtype | None, what: str) -> int:
-    if dtype is None:
-        return 0
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"plan.estimate: {what} must be a floating-point torch.dtype, got {dtype}")
-    return dtype.itemsize
+def _sizes(layout: Layout) -> dict:
+    return {"micro_batch": layout.micro_batch, "seq_len": layout.seq_len}
 
 
 def estimate(
-    model,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    dp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    zero: int = 0,
-    recompute: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    master_dtype: torch.dtype | None = None,
-    micro_batch: int,
-    seq_len: int,
-    num_microbatches: int = 1,
-    schedule: str = "1f1b",
-    optimizer: str = "adamw",
-    sequence_parallel: bool = False,
-    bucket_cap_mb: float = 25.0,
-    expert_load: float | None = None,
-    machine: Machine | str | None = None,
+    model, layout: Layout | None = None, *, machine: Machine | str | None = None, **keywords
 ) -> Estimate:
     """What ``model`` trained at this layout costs each rank, as a steady step allocates it.
 
@@ -140,26 +116,11 @@ def estimate(
             logits, traced whole on fake tensors and split over data ranks only
             (``torch_mp.DataParallel``; ``tp``, ``pp``, ``cp`` 1 and ``recompute`` None;
             :mod:`torch_mp.plan.module`).
-        tp, pp, dp, cp, ep: The mesh's sizes (cp: the GPT's, each sequence cut in 2 cp
-            balanced chunks; ep: the experts of MoE layers, ``GPTConfig.moe_experts`` or
-            Mixtral's, over groups cut from the dp x cp ranks, at ZeRO 0).
-        zero: 0 none; 1 the optimizer state sharded over the data ranks; 2 the gradients too;
-            3 the parameters too (at pp 1).
-        recompute: None, ``"selective"`` (the attention core) or ``"full"`` (each layer).
-        dtype: The parameters' and the compute's dtype.
-        master_dtype: The optimizer's fp32 masters (and fp32 main gradients) of a 16-bit model.
-            None: fp32 masters for a 16-bit ``dtype`` (the recipe, which implies ``zero >= 2``
-            as Trainer3D's ``bf16`` does), none for fp32; ``master_dtype=dtype``: none.
-        micro_batch, seq_len, num_microbatches: Each data rank's micro-batches per step.
-        schedule: The pipeline schedule (``torch_mp.pipeline.schedule_names()``); its most
-            micro-batches in flight come from walking its action list.
-        optimizer: ``"adamw"`` or ``"adam"`` (two moments per parameter), ``"sgd"`` (none).
-        sequence_parallel: Activations between the matmuls split over the tensor group.
-        bucket_cap_mb: DataParallel's and the distributed optimizer's bucket size.
-        expert_load: MoE layers at ``ep > 1``: the rows the busiest rank's experts receive over
-            their balanced share (``micro_batch * seq_len * moe_top_k``), e.g. the imbalance a
-            run logs. None: what routing at random gives the busiest of ``ep`` ranks,
-            ``1 + sqrt(2 ln ep) * sqrt((ep - 1) / (ep * micro_batch * seq_len * top_k))``.
+        layout: A :class:`Layout`; or its keywords (``tp``, ``pp``, ``dp``, ``cp``, ``ep``,
+            ``zero``, ``recompute``, ``dtype``, ``master_dtype``, ``micro_batch``, ``seq_len``,
+            ``num_microbatches``, ``schedule``, ``optimizer``, ``sequence_parallel``,
+            ``bucket_cap_mb``, ``expert_load``; :class:`Layout` says what each means), the same
+            estimate.
         machine: A :class:`Machine` (or the name or path of a machine file,
             :meth:`Machine.load`): the estimate's ``time`` is then its step on that machine.
 
@@ -169,38 +130,16 @@ def estimate(
         ZeRO's buckets are padded to the same size on each), with FLOPs and bytes sent.
 
     Raises:
-        ValueError: Naming the setting, for sizes the layout cannot take or a setting not
-            estimated yet.
+        LayoutError: (a ValueError) Naming the setting, for sizes the layout cannot take or a
+            setting not estimated yet; the same text the runtime raises for the same sizes.
+        TypeError: For a model that is not estimated, or a Layout and keywords both.
     """
-    if master_dtype is None and dtype.itemsize < 4:
-        master_dtype = torch.float32
-    layout = {
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "cp": cp,
-        "ep": ep,
-        "zero": zero,
-        "recompute": "none" if recompute is None else recompute,
-        "sequence_parallel": sequence_parallel,
-        "dtype_bytes": _bytes(dtype, "dtype"),
-        "master_bytes": _bytes(master_dtype, "master_dtype"),
-        "micro_batch": micro_batch,
-        "seq_len": seq_len,
-        "num_microbatches": num_microbatches,
-        "schedule": schedule,
-        "optimizer": optimizer,
-        "bucket_cap_mb": float(bucket_cap_mb),
-        "expert_load": 0.0 if expert_load is None else float(expert_load),
-    }
-    try:
-        sizes, traced, top_k = _shape(model, layout, dtype)
-        result = _C.plan_estimate(*sizes, layout, traced, top_k)
-        if machine is not None:
-            if not isinstance(machine, Machine):
-                machine = Machine.load(machine)
-            mesh = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
-            result.time = _C.plan_step_time(result, layout, machine.figures(dtype, mesh))
-        return result
-    except RuntimeError as error:
-        raise ValueError(str(error).split("\nException raised from")[0]) from None
+    layout = as_layout(layout, keywords, "plan.estimate")
+    sizes, traced, top_k = _shape(model, layout)
+    result = _C.plan_estimate(*sizes, layout, traced, top_k)
+    if machine is not None:
+        if not isinstance(machine, Machine):
+            machine = Machine.load(machine)
+        figures = machine.figures(layout.dtype, mesh_sizes(layout))
+        result.time = _C.plan_step_time(result, layout, figures)
+    return result

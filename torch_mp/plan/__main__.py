@@ -97,7 +97,7 @@ def table(candidates, machine: Machine, world: int) -> str:
     ]
     for i, c in enumerate(candidates, 1):
         t = c.estimate.time
-        flops = machine.flops_at(c.keywords["dtype"])
+        flops = machine.flops_at(c.layout.dtype)
         hfu = c.estimate.flops_per_rank / (t.seconds * flops)  # (recomputation counted)
         lines.append(
             f"| {i} | {c.describe()} | {_gb(c.peak)} | {t.seconds:.3f} | "

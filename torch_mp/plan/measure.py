@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch_mp
 from torch_mp import _C
 from torch_mp._memory import PeakMemory
+from torch_mp.plan.layout import Layout, as_layout, mesh_sizes
 from torch_mp.plan.trace import DECODERS, MOE_DECODERS
 
 __all__ = ["measure", "measure_time"]
@@ -23,40 +24,29 @@ __all__ = ["measure", "measure_time"]
 
 def measure(
     model,
+    layout: Layout | None = None,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    dp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    zero: int = 0,
-    recompute: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    master_dtype: torch.dtype | None = None,
-    micro_batch: int,
-    seq_len: int,
-    num_microbatches: int = 1,
-    schedule: str = "1f1b",
-    optimizer: str = "adamw",
-    sequence_parallel: bool = False,
     steps: int = 3,
     mesh: torch_mp.Mesh | None = None,
+    **keywords,
 ) -> dict[str, int]:
     """Trains ``model`` (a :class:`torch_mp.models.GPTConfig`, a Hugging Face decoder's config,
     or an ``nn.Module`` language model that can run, :mod:`torch_mp.plan.module`, on a copy)
-    laid out as given for ``steps``
-    optimizer steps (the third on a steady state: the buffers that alternate between steps are
-    all made by then) on this rank's share of random batches, and returns what this rank
+    laid out as given for ``steps`` optimizer steps (the third on a steady state: the buffers
+    that alternate between steps are all made by then) on this rank's share of random batches,
+    and returns what this rank
     allocated from building the stages on: ``{"peak": bytes, "states": bytes,
     "pipeline_rank": int}``, the most alive at once and what is left after the last step
-    (parameters, gradients, optimizer state and the buffers kept from step to step). The
-    keywords are :func:`torch_mp.plan.estimate`'s; ``mesh`` (the default mesh when None) must
-    have the sizes given. A collective: every rank
-    calls it with the same arguments."""
+    (parameters, gradients, optimizer state and the buffers kept from step to step).
+    ``layout`` is a :class:`~torch_mp.plan.Layout` or its keywords, as
+    :func:`torch_mp.plan.estimate` takes it; ``mesh`` (the default mesh when None) must have its
+    sizes. A collective: every rank calls it with the same arguments."""
     from torch_mp.models import GPTConfig
 
+    layout = as_layout(layout, keywords, "plan.measure")
+    tp, pp, cp, recompute = layout.tp, layout.pp, layout.cp, layout.recompute
     mesh = mesh if mesh is not None else torch_mp.get_mesh()
-    _check_mesh(mesh, {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}, "plan.measure")
+    _check_mesh(mesh, mesh_sizes(layout), "plan.measure")
     if isinstance(getattr(model, "config", None), GPTConfig):
         model = model.config  # (a DenseGPT: trained as its config says)
     if not isinstance(model, GPTConfig):
@@ -78,22 +68,11 @@ def measure(
                 f"plan.measure: a decoder takes recompute None or 'full', a module None; got "
                 f"{recompute!r}"
             )
-        sizes = (micro_batch, seq_len, steps)
+        zero, dtype = layout.zero, layout.dtype
+        sizes = (layout.micro_batch, layout.seq_len, steps)
         if decoder:
             return _measure_decoder(config, mesh, zero, recompute == "full", dtype, *sizes)
         return _measure_module(model, mesh, zero, dtype, *sizes)
-    layout = dict(
-        zero=zero,
-        recompute=recompute,
-        dtype=dtype,
-        master_dtype=master_dtype,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        optimizer=optimizer,
-        sequence_parallel=sequence_parallel,
-    )
     build, tokens = _gpt_run(model, layout, steps)
     with _collecting_only_new(), PeakMemory() as memory:
         trainer = build(mesh)
@@ -108,45 +87,21 @@ def measure(
 
 def measure_time(
     model,
+    layout: Layout | None = None,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    dp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    zero: int = 0,
-    recompute: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    master_dtype: torch.dtype | None = None,
-    micro_batch: int,
-    seq_len: int,
-    num_microbatches: int = 1,
-    schedule: str = "1f1b",
-    optimizer: str = "adamw",
-    sequence_parallel: bool = False,
     steps: int = 3,
     warmup: int = 2,
     mesh: torch_mp.Mesh | None = None,
+    **keywords,
 ) -> float:
     """Seconds of one optimizer step of ``model`` (a :class:`torch_mp.models.GPTConfig`) laid
     out on ``mesh`` (the default mesh when None, of the sizes given), trained as
     :class:`torch_mp.models.Trainer3D` trains it: the median of ``steps`` steps after
     ``warmup``, each from a barrier to a barrier (so the slowest rank's). What an estimate's
-    ``time`` is measured against. A collective."""
+    ``time`` is measured against. ``layout`` as :func:`measure` takes it. A collective."""
+    layout = as_layout(layout, keywords, "plan.measure_time")
     mesh = mesh if mesh is not None else torch_mp.get_mesh()
-    _check_mesh(mesh, {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}, "plan.measure_time")
-    layout = dict(
-        zero=zero,
-        recompute=recompute,
-        dtype=dtype,
-        master_dtype=master_dtype,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        optimizer=optimizer,
-        sequence_parallel=sequence_parallel,
-    )
+    _check_mesh(mesh, mesh_sizes(layout), "plan.measure_time")
     build, tokens = _gpt_run(model, layout, warmup + steps)
     seconds = []
     trainer = build(mesh)
@@ -178,34 +133,34 @@ def _check_mesh(mesh, sizes: dict, who: str) -> None:
         raise ValueError(f"{who}: the mesh is {have}, the layout asks for {sizes}")
 
 
-def _gpt_run(config, layout: dict, steps: int):
+def _gpt_run(config, layout: Layout, steps: int):
     """A function of the mesh that builds the GPT's Trainer3D at ``layout`` (same weights on
     every rank), and ``steps`` random batches of tokens (inputs and targets)."""
     from torch_mp.models import DenseGPT, Trainer3D, TrainingOptions
 
-    if layout["optimizer"] != "adamw":
+    if layout.optimizer != "adamw":
         raise ValueError(
-            f"plan.measure: trains with AdamW only, got optimizer={layout['optimizer']!r}"
+            f"plan.measure: trains with AdamW only, got optimizer={layout.optimizer!r}"
         )
-    dtype, master_dtype = layout["dtype"], layout["master_dtype"]
+    dtype, master_dtype = layout.dtype, layout.master_dtype
     if dtype not in (torch.float32, torch.bfloat16) or master_dtype not in (None, torch.float32):
         raise ValueError(
             "plan.measure: dtype float32, or bfloat16 with fp32 masters (master_dtype None or "
             f"float32), got dtype={dtype}, master_dtype={master_dtype}"
         )
     options = TrainingOptions(
-        schedule=layout["schedule"],
-        microbatches=layout["num_microbatches"],
-        sequence_parallel=layout["sequence_parallel"],
-        recompute=layout["recompute"],
-        zero=layout["zero"],
+        schedule=layout.schedule,
+        microbatches=layout.num_microbatches,
+        sequence_parallel=layout.sequence_parallel,
+        recompute=layout.recompute,
+        zero=layout.zero,
         bf16=dtype == torch.bfloat16,
     )
     torch.manual_seed(0)
     dense = DenseGPT(config)
     g = torch.Generator().manual_seed(1)
-    batch = layout["micro_batch"] * layout["num_microbatches"]
-    shape = (batch, layout["seq_len"] + 1)
+    batch = layout.micro_batch * layout.num_microbatches
+    shape = (batch, layout.seq_len + 1)
     tokens = [torch.randint(config.vocab, shape, generator=g) for _ in range(steps)]
     return (lambda mesh: Trainer3D(dense, mesh, options)), tokens
 

@@ -14,17 +14,29 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_mp._C import LayoutError
+from torch_mp.plan.layout import Layout
+
 __all__ = ["Candidate", "NothingFits", "search"]
 
 
 @dataclass
 class Candidate:
-    """One layout: ``keywords`` (:func:`torch_mp.plan.estimate`'s), its ``estimate`` (with
-    ``.time``), and ``peak``, the largest of its ranks' peaks in bytes."""
+    """One layout: its :class:`~torch_mp.plan.Layout`, its ``estimate`` (with ``.time``), and
+    ``peak``, the largest of its ranks' peaks in bytes."""
 
-    keywords: dict
+    layout: Layout
     estimate: object
     peak: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layout, dict):  # (the keywords, as a Candidate was once made)
+            self.layout = Layout(**self.layout)
+
+    @property
+    def keywords(self) -> dict:
+        """The layout as :func:`torch_mp.plan.estimate`'s keywords (``layout.keywords()``)."""
+        return self.layout.keywords()
 
     @property
     def seconds(self) -> float:
@@ -32,19 +44,19 @@ class Candidate:
 
     def describe(self) -> str:
         """The layout in short: ``tp2 pp4 dp8 mb1x16 1f1b zero1 selective sp``."""
-        k = self.keywords
-        parts = [f"tp{k['tp']}", f"pp{k['pp']}", f"dp{k['dp']}"]
-        if k.get("cp", 1) > 1:
-            parts.append(f"cp{k['cp']}")
-        if k.get("ep", 1) > 1:
-            parts.append(f"ep{k['ep']}")
-        parts.append(f"mb{k['micro_batch']}x{k['num_microbatches']}")
-        if k["pp"] > 1:
-            parts.append(k["schedule"])
-        parts.append(f"zero{k['zero']}")
-        if k.get("recompute"):
-            parts.append(k["recompute"])
-        if k.get("sequence_parallel"):
+        k = self.layout
+        parts = [f"tp{k.tp}", f"pp{k.pp}", f"dp{k.dp}"]
+        if k.cp > 1:
+            parts.append(f"cp{k.cp}")
+        if k.ep > 1:
+            parts.append(f"ep{k.ep}")
+        parts.append(f"mb{k.micro_batch}x{k.num_microbatches}")
+        if k.pp > 1:
+            parts.append(k.schedule)
+        parts.append(f"zero{k.zero}")
+        if k.recompute:
+            parts.append(k.recompute)
+        if k.sequence_parallel:
             parts.append("sp")
         return " ".join(parts)
 
@@ -94,24 +106,22 @@ def _layouts(model, world: int, global_batch: int, seq_len: int, dtype, gpus_per
                 eps = [e for e in _divisors(dp * cp) if experts % e == 0] if experts else [1]
                 for schedule, zero, recompute, sp, ep in itertools.product(
                     schedules, zeros, recomputes, parallel, eps
-                ):
-                    if schedule == "interleaved_1f1b" and microbatches % pp or ep > 1 and zero:
-                        continue
-                    yield {
-                        "tp": tp,
-                        "pp": pp,
-                        "dp": dp,
-                        "cp": cp,
-                        "ep": ep,
-                        "zero": zero,
-                        "recompute": recompute,
-                        "dtype": dtype,
-                        "micro_batch": micro_batch,
-                        "seq_len": seq_len,
-                        "num_microbatches": microbatches,
-                        "schedule": schedule,
-                        "sequence_parallel": sp,
-                    }
+                ):  # (the estimate refuses what the trainer and the schedule cannot take)
+                    yield Layout(
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        cp=cp,
+                        ep=ep,
+                        zero=zero,
+                        recompute=recompute,
+                        dtype=dtype,
+                        micro_batch=micro_batch,
+                        seq_len=seq_len,
+                        num_microbatches=microbatches,
+                        schedule=schedule,
+                        sequence_parallel=sp,
+                    )
 
 
 class _Progress:
@@ -144,13 +154,13 @@ def _evaluate(model, world, memory, seq_len, global_batch, machine, dtype, progr
     )
     bar = _Progress(len(layouts), progress)
     fits, smallest = [], None
-    for i, keywords in enumerate(layouts):
+    for i, layout in enumerate(layouts):
         bar.update(i)
         try:
-            e = plan.estimate(model, machine=machine, **keywords)
-        except ValueError:
+            e = plan.estimate(model, layout, machine=machine)
+        except LayoutError:
             continue  # a layout the model or the trainer cannot take
-        candidate = Candidate(keywords, e, max(r.peak for r in e.ranks))
+        candidate = Candidate(layout, e, max(r.peak for r in e.ranks))
         if smallest is None or candidate.peak < smallest.peak:
             smallest = candidate
         if candidate.peak <= memory:

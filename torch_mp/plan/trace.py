@@ -19,6 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from torch_mp._C import LayoutError
 from torch_mp._memory import PeakMemory
 
 __all__ = ["DECODERS", "trace"]
@@ -79,7 +80,7 @@ def _rank_config(config, tp: int, layers: int):
         split["intermediate_size"] = config.intermediate_size
     for name, value in split.items():
         if value % tp:
-            raise ValueError(
+            raise LayoutError(
                 f"plan.estimate: the config's {name} ({value}) is not divisible by tp={tp}"
             )
     rank = copy.deepcopy(config)
@@ -159,7 +160,7 @@ def trace(
     expert group of ``ep`` whose experts receive ``expert_load`` times their balanced share of
     the choices."""
     if config.model_type in MOE_DECODERS and config.num_local_experts % ep:
-        raise ValueError(
+        raise LayoutError(
             f"plan.estimate: the config's num_local_experts ({config.num_local_experts}) is not "
             f"divisible by ep={ep}"
         )

@@ -13,7 +13,8 @@ ShardLayout ShardLayout::of(const std::vector<at::Tensor>& parameters,
                             double bucket_cap_mb,
                             const std::string& owner,
                             const std::vector<size_t>& units) {
-  TORCH_CHECK(bucket_cap_mb > 0, owner, ": bucket_cap_mb must be positive, got ", bucket_cap_mb);
+  TORCH_CHECK_VALUE(
+      bucket_cap_mb > 0, owner, ": bucket_cap_mb must be positive, got ", bucket_cap_mb);
   for (size_t i = 0; i < parameters.size(); ++i) {
     TORCH_CHECK(parameters[i].defined() && parameters[i].is_contiguous(),
                 owner,

@@ -10,6 +10,7 @@
 
 #include "torch_mp/agreement.h"
 #include "torch_mp/comm.h"
+#include "torch_mp/errors.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/moe/dispatch.h"
@@ -87,12 +88,16 @@ void check_moe(const dense::MoEOptions& o, const GroupPtr& group) {
     options::check_same_options(o, group, "MoE");
   }
   dense::check_moe(o);
-  TORCH_CHECK(!group || o.num_experts() % group->getSize() == 0,
-              "MoE: num_experts (",
-              o.num_experts(),
-              ") must be divisible by the expert-parallel size (",
-              group ? group->getSize() : 1,
-              ")");
+  check_expert_split(o.num_experts(), group ? group->getSize() : 1);
+}
+
+void check_expert_split(int64_t num_experts, int64_t ep) {
+  TORCH_MP_CHECK_LAYOUT(num_experts % ep == 0,
+                        "MoE: num_experts (",
+                        num_experts,
+                        ") must be divisible by the expert-parallel size (",
+                        ep,
+                        ")");
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x,

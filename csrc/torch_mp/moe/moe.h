@@ -75,6 +75,9 @@ struct MoEOptions {
 void check_moe(const dense::MoEOptions& options, const GroupPtr& group);
 /// The same for options that name their group (options.group(); none: one process).
 void check_moe(const MoEOptions& options);
+/// Raises torch_mp::LayoutError unless `ep` expert-parallel ranks split `num_experts` evenly
+/// (what check_moe and plan::estimate ask, in the same words).
+void check_expert_split(int64_t num_experts, int64_t ep);
 
 class MoE;
 

@@ -5,11 +5,26 @@
 #include <regex>
 #include <sstream>
 
+#include "torch_mp/errors.h"
 #include "torch_mp/pipeline/zero_bubble.h"
 
 namespace torch_mp::pipeline {
 
 namespace {
+
+// The schedules make_schedule knows, and the stages each rank runs under them by default.
+struct KnownSchedule {
+  const char* name;
+  int64_t stages_per_rank;
+};
+constexpr KnownSchedule kSchedules[] = {
+    {"gpipe", 1},
+    {"1f1b", 1},
+    {"interleaved_1f1b", 2},
+    {"zb_h1", 1},
+    {"interleaved_zb", 2},
+    {"zbv", 2},
+};
 
 constexpr ActionKind kAllKinds[] = {
     ActionKind::kForward,
@@ -77,49 +92,50 @@ RankActions one_f_one_b(int64_t ranks, int64_t m, int64_t chunks, ActionKind bac
 }
 
 void check_sizes(const std::string& name, int64_t stages, int64_t m, int64_t per_rank) {
-  TORCH_CHECK(stages > 0 && m > 0 && per_rank > 0,
-              "torch_mp.pipeline.schedule: num_stages (",
-              stages,
-              "), num_microbatches (",
-              m,
-              ") and stages_per_rank (",
-              per_rank,
-              ") must be positive");
-  TORCH_CHECK(stages % per_rank == 0,
-              "torch_mp.pipeline.schedule: num_stages (",
-              stages,
-              ") must be divisible by stages_per_rank (",
-              per_rank,
-              ")");
+  TORCH_MP_CHECK_LAYOUT(stages > 0 && m > 0 && per_rank > 0,
+                        "torch_mp.pipeline.schedule: num_stages (",
+                        stages,
+                        "), num_microbatches (",
+                        m,
+                        ") and stages_per_rank (",
+                        per_rank,
+                        ") must be positive");
+  TORCH_MP_CHECK_LAYOUT(stages % per_rank == 0,
+                        "torch_mp.pipeline.schedule: num_stages (",
+                        stages,
+                        ") must be divisible by stages_per_rank (",
+                        per_rank,
+                        ")");
   const int64_t ranks = stages / per_rank;
   if (name == "interleaved_1f1b" || name == "interleaved_zb") {
-    TORCH_CHECK(per_rank >= 2,
-                "torch_mp.pipeline.schedule: ",
-                name,
-                " needs stages_per_rank >= 2 (got ",
-                per_rank,
-                "); use ",
-                name == "interleaved_zb" ? "zb_h1" : "1f1b",
-                " for one stage per rank");
-    TORCH_CHECK(m % ranks == 0,
-                "torch_mp.pipeline.schedule: ",
-                name,
-                " needs num_microbatches (",
-                m,
-                ") divisible by the number of pipeline ranks (",
-                ranks,
-                ")");
+    TORCH_MP_CHECK_LAYOUT(per_rank >= 2,
+                          "torch_mp.pipeline.schedule: ",
+                          name,
+                          " needs stages_per_rank >= 2 (got ",
+                          per_rank,
+                          "); use ",
+                          name == "interleaved_zb" ? "zb_h1" : "1f1b",
+                          " for one stage per rank");
+    TORCH_MP_CHECK_LAYOUT(m % ranks == 0,
+                          "torch_mp.pipeline.schedule: ",
+                          name,
+                          " needs num_microbatches (",
+                          m,
+                          ") divisible by the number of pipeline ranks (",
+                          ranks,
+                          ")");
   } else if (name == "zbv") {
-    TORCH_CHECK(per_rank == 2,
-                "torch_mp.pipeline.schedule: zbv runs two stages per rank (stages_per_rank=2), "
-                "placed in a V, got ",
-                per_rank);
+    TORCH_MP_CHECK_LAYOUT(
+        per_rank == 2,
+        "torch_mp.pipeline.schedule: zbv runs two stages per rank (stages_per_rank=2), "
+        "placed in a V, got ",
+        per_rank);
   } else {
-    TORCH_CHECK(per_rank == 1,
-                "torch_mp.pipeline.schedule: ",
-                name,
-                " runs one stage per rank (stages_per_rank=1), got ",
-                per_rank);
+    TORCH_MP_CHECK_LAYOUT(per_rank == 1,
+                          "torch_mp.pipeline.schedule: ",
+                          name,
+                          " runs one stage per rank (stages_per_rank=1), got ",
+                          per_rank);
   }
 }
 
@@ -292,7 +308,26 @@ Schedule Schedule::parse(const std::string& text) {
 }
 
 std::vector<std::string> schedule_names() {
-  return {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "zbv"};
+  std::vector<std::string> names;
+  for (const auto& known : kSchedules) {
+    names.emplace_back(known.name);
+  }
+  return names;
+}
+
+int64_t default_stages_per_rank(const std::string& name) {
+  for (const auto& known : kSchedules) {
+    if (name == known.name) {
+      return known.stages_per_rank;
+    }
+  }
+  std::string names;
+  for (const auto& known : kSchedules) {
+    names += std::string(names.empty() ? "" : ", ") + known.name;
+  }
+  TORCH_MP_CHECK_LAYOUT(
+      false, "torch_mp.pipeline.schedule: unknown schedule '", name, "' (known: ", names, ")");
+  return 0;
 }
 
 std::vector<std::vector<Action>> with_communication(const std::vector<std::vector<Action>>& compute,
@@ -331,11 +366,7 @@ Schedule make_schedule(const std::string& name,
                        int64_t num_stages,
                        int64_t num_microbatches,
                        int64_t stages_per_rank) {
-  const auto names = schedule_names();
-  TORCH_CHECK(std::find(names.begin(), names.end(), name) != names.end(),
-              "torch_mp.pipeline.schedule: unknown schedule '",
-              name,
-              "' (known: gpipe, 1f1b, interleaved_1f1b, zb_h1, interleaved_zb, zbv)");
+  default_stages_per_rank(name);  // (raises on an unknown name)
   check_sizes(name, num_stages, num_microbatches, stages_per_rank);
   const int64_t ranks = num_stages / stages_per_rank;
   const Placement placement = name == "zbv" ? Placement::kV : Placement::kLoop;

@@ -92,6 +92,12 @@ struct Schedule {
 /// Schedule names that `make_schedule` knows.
 std::vector<std::string> schedule_names();
 
+/// The stages each pipeline rank runs under the schedule `name` when nothing says otherwise: 2
+/// for those that interleave ("interleaved_1f1b", "interleaved_zb") or fold into a V ("zbv"), 1
+/// for the others. What the trainers build and the planner (plan::estimate) counts. Raises
+/// torch_mp::LayoutError on an unknown name.
+int64_t default_stages_per_rank(const std::string& name);
+
 /// Generates a schedule, with its sends and receives.
 ///
 /// Args: `name` one of "gpipe", "1f1b", "interleaved_1f1b" (needs stages_per_rank >= 2 and

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "torch_mp/data_parallel/shard_layout.h"
+#include "torch_mp/errors.h"
 #include "torch_mp/pipeline/schedule.h"
 #include "torch_mp/plan/sizes.h"
 
@@ -100,15 +101,18 @@ ShardLayout buckets_of(const std::vector<int64_t>& numel,
 }
 
 // Operators one micro-batch's forward through stage `i` dispatches (each costs
-// Machine::op_overhead). The GPT's, counted at the dispatcher on torch_mp.models.DenseGPT: 41 a
-// layer, 6 for the embeddings, 13 for the final norm, the head and the loss.
+// Machine::op_overhead): a traced model's as traced, the GPT's from kGptOperators.
 int64_t operator_calls(const Sizes& z, int64_t i) {
   const bool last = i == z.stages - 1;
   if (z.traced != nullptr) {
     return z.per_stage * z.traced->layer_operators + (last ? z.traced->last_operators : 0);
   }
-  const int64_t layer = z.moe() ? moe_layer_operators(z) : 41;
-  return z.per_stage * layer + (i == 0 ? 6 : 0) + (last ? 13 : 0);
+  const auto& ops = kGptOperators;
+  const auto count = [&z](const OperatorCount& part) {
+    return part.at(z.t > 1, z.sigma < 1.0, z.moe(), z.ep > 1);
+  };
+  return z.per_stage * count(z.moe() ? ops.moe_layer : ops.layer) +
+         (i == 0 ? count(ops.embeddings) : 0) + (last ? count(ops.head_and_loss) : 0);
 }
 
 struct Walk {
@@ -202,38 +206,30 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
   check_layout(model, layout);
   Layout l = layout;
   l.dp *= l.cp;  // the gradients are reduced, and ZeRO shards, over the data x context ranks
-  if (l.master_bytes && l.master_bytes != l.dtype_bytes) {
+  const int64_t master_bytes = l.master_bytes();
+  if (master_bytes != 0) {
     l.zero = std::max(l.zero, 2);  // the recipe: fp32 main gradients in ZeRO-2's buckets
-  } else {
-    l.master_bytes = 0;
   }
-  const auto names = pipeline::schedule_names();
-  TORCH_CHECK(std::find(names.begin(), names.end(), l.schedule) != names.end(),
-              "plan.estimate: unknown schedule \"",
-              l.schedule,
-              "\"");
-  const int64_t stages_per_rank =
-      (l.schedule == "interleaved_1f1b" || l.schedule == "interleaved_zb" || l.schedule == "zbv")
-          ? 2
-          : 1;
+  const int64_t stages_per_rank = pipeline::default_stages_per_rank(l.schedule);
   const int64_t stages = l.pp * stages_per_rank;
-  TORCH_CHECK(l.zero < 2 || stages_per_rank == 1,
-              "plan.estimate: ZeRO-",
-              l.zero,
-              " with two stages per rank (",
-              l.schedule,
-              ") is not supported: each stage is its own DataParallel, which one "
-              "DistributedOptimizer cannot span; use zero=1 or a schedule of one stage per rank");
-  TORCH_CHECK(model.layers % stages == 0,
-              "plan.estimate: ",
-              model.layers,
-              " layers cannot be cut into ",
-              stages,
-              " equal stages (pp=",
-              l.pp,
-              ", schedule ",
-              l.schedule,
-              ")");
+  TORCH_MP_CHECK_LAYOUT(
+      l.zero < 2 || stages_per_rank == 1,
+      "plan.estimate: ZeRO-",
+      l.zero,
+      " with two stages per rank (",
+      l.schedule,
+      ") is not supported: each stage is its own DataParallel, which one "
+      "DistributedOptimizer cannot span; use zero=1 or a schedule of one stage per rank");
+  TORCH_MP_CHECK_LAYOUT(model.layers % stages == 0,
+                        "plan.estimate: ",
+                        model.layers,
+                        " layers cannot be cut into ",
+                        stages,
+                        " equal stages (pp=",
+                        l.pp,
+                        ", schedule ",
+                        l.schedule,
+                        ")");
   const Sizes z{l.tp,
                 model.hidden,
                 model.ffn,
@@ -243,11 +239,11 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
                 l.micro_batch * l.seq_len / l.cp,
                 l.seq_len,
                 l.cp,
-                l.dtype_bytes,
+                l.dtype_bytes(),
                 stages,
                 model.layers / stages,
                 l.sequence_parallel ? 1.0 / static_cast<double>(l.tp) : 1.0,
-                l.master_bytes != 0,
+                master_bytes != 0,
                 model.traced ? &*model.traced : nullptr,
                 model.experts,
                 model.top_k,
@@ -256,7 +252,7 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
   const auto schedule =
       pipeline::make_schedule(l.schedule, stages, l.num_microbatches, stages_per_rank);
   const int64_t moments = l.optimizer == "sgd" ? 0 : 2;
-  const int64_t state_bytes = z.masters ? l.master_bytes : z.d;
+  const int64_t state_bytes = z.masters ? master_bytes : z.d;
 
   Estimate result;
   std::vector<RankEstimate> rows;
@@ -298,12 +294,12 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
     if (l.zero <= 1) {  // DataParallel's flat gradient buffer
       row.gradients = numel * z.d;
     } else if (z.masters) {  // fp32 main gradients, whole buckets
-      row.gradients = padded * l.master_bytes;
+      row.gradients = padded * master_bytes;
     } else {  // this rank's range of every bucket, and the reduce-scatter's staging slots
       row.gradients = chunks * z.d;
       row.persistent_buffers = (l.zero == 3 ? 1 : 2) * largest * z.d;
     }
-    row.optimizer_state = owned * moments * state_bytes + (z.masters ? owned * l.master_bytes : 0);
+    row.optimizer_state = owned * moments * state_bytes + (z.masters ? owned * master_bytes : 0);
     const int64_t gathered = l.zero == 3 ? 2 * largest * z.d : 0;  // this unit and the next
     const Walk w = walk(schedule, r, z, l, numel * z.d, gathered);
     for (const int64_t i : schedule.stages_of_rank(r)) {
@@ -384,7 +380,7 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
   // (the all-to-alls' backwards are all-to-alls of the same volume)
   result.bytes_sent["ep"] = 2.0 * result.stages.front().ep_bytes * stages_per_rank *
                             static_cast<double>(l.num_microbatches);
-  const int64_t grad_bytes = z.masters ? l.master_bytes : z.d;
+  const int64_t grad_bytes = z.masters ? master_bytes : z.d;
   int64_t rank_numel = 0;
   for (const int64_t r : schedule.stages_of_rank(0)) {
     std::vector<int64_t> numel;

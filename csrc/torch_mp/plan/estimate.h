@@ -13,6 +13,8 @@
 // tensors at the layout's sizes, ModelShape::traced; or any module traced whole, its layers
 // not told apart, split over data ranks only).
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -60,14 +62,40 @@ struct ModelShape {
 
 enum class Recompute : uint8_t { kNone, kSelective, kFull };
 
+/// Operators one micro-batch's forward dispatches through one part of torch_mp.models' GPT as
+/// Trainer3D runs it (a GPTStage), counted at the dispatcher (PeakMemory's count): alone (tp 1),
+/// and what is added at tp > 1 (the collectives, the vocabulary's masks), beyond that under
+/// sequence parallelism, in a stage of MoE layers, and at ep > 1 (the all-to-alls). Each costs
+/// Machine::op_overhead in the step time. tests/python/test_plan_layout.py runs the parts and
+/// holds this table to what they dispatch, so a layer that changes fails that test.
+struct OperatorCount {
+  int64_t alone = 0, tensor_parallel = 0, sequence_parallel = 0, moe = 0, expert_parallel = 0;
+
+  int64_t at(bool tp, bool sp, bool moe_stage, bool ep) const {
+    return alone + (tp ? tensor_parallel : 0) + (tp && sp ? sequence_parallel : 0) +
+           (moe_stage ? moe : 0) + (ep ? expert_parallel : 0);
+  }
+};
+
+/// The GPT's parts (kGptOperators).
+struct GptOperators {
+  OperatorCount layer{32, 4, 2};             ///< a ParallelTransformerLayer
+  OperatorCount moe_layer{65, 2, 0, 0, 32};  ///< a ParallelMoELayer
+  OperatorCount embeddings{7, 5, 1, 1};      ///< the first stage's, before its layers
+  OperatorCount head_and_loss{16, 1, 2, 2};  ///< the last stage's norm, tied head and loss
+};
+inline constexpr GptOperators kGptOperators{};
+
 /// How the model is laid out and trained.
 struct Layout {
   int64_t tp = 1, pp = 1, dp = 1, cp = 1, ep = 1;
   int zero = 0;  ///< 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
   Recompute recompute = Recompute::kNone;
   bool sequence_parallel = false;
-  int64_t dtype_bytes = 4;   ///< parameters and compute
-  int64_t master_bytes = 0;  ///< fp32 masters and main gradients of a low-precision model; 0: none
+  c10::ScalarType dtype = c10::ScalarType::Float;  ///< the parameters' and the compute's
+  /// The optimizer's masters (and main gradients) of a 16-bit model. nullopt: float32 for a
+  /// 16-bit dtype (the recipe, which implies zero >= 2), none for float32; equal to dtype: none.
+  std::optional<c10::ScalarType> master_dtype;
   int64_t micro_batch = 1;
   int64_t seq_len = 0;
   int64_t num_microbatches = 1;
@@ -79,6 +107,15 @@ struct Layout {
   /// sqrt((ep - 1) / (ep * n * top_k)) (the expected largest of ep normal variables is at most
   /// sqrt(2 ln ep) standard deviations above their mean).
   double expert_load = 0;
+
+  /// Bytes of an element of dtype.
+  int64_t dtype_bytes() const { return static_cast<int64_t>(c10::elementSize(dtype)); }
+  /// Bytes of an element of the masters (master_dtype resolved); 0 when there are none.
+  int64_t master_bytes() const {
+    const bool sixteen = c10::elementSize(dtype) < 4;
+    const auto masters = master_dtype.value_or(sixteen ? c10::ScalarType::Float : dtype);
+    return masters == dtype ? 0 : static_cast<int64_t>(c10::elementSize(masters));
+  }
 };
 
 /// One kind of rank (the ranks of one pipeline position; tensor and data ranks alike).

@@ -63,11 +63,6 @@ double moe_layer_flops(const Sizes& z) {
   return attention + 2.0 * n * h * z.experts + received(z) * 4.0 * h * z.f;
 }
 
-int64_t moe_layer_operators(const Sizes& z) {
-  // counted at the dispatcher on ParallelMoELayer (the exchanges add theirs at ep > 1)
-  return z.ep > 1 ? 94 : 62;
-}
-
 double moe_layer_ep_bytes(const Sizes& z) {
   if (z.ep == 1) {
     return 0;

@@ -62,8 +62,6 @@ int64_t moe_layer_saved(const Sizes& z);
 int64_t moe_layer_backward(const Sizes& z);
 /// Its forward's floating-point operations (the attention core's among them: attention_flops).
 double moe_layer_flops(const Sizes& z);
-/// Operators its forward dispatches.
-int64_t moe_layer_operators(const Sizes& z);
 /// Bytes its forward sends over the expert group (the tokens there and back; as much again in the
 /// backward), in messages (two all-to-alls).
 double moe_layer_ep_bytes(const Sizes& z);

@@ -11,11 +11,11 @@
 namespace torch_mp::plan {
 
 StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
-  TORCH_CHECK(m.flops > 0 && m.memory_bandwidth > 0,
-              "plan: the machine needs flops and memory_bandwidth above 0, got flops=",
-              m.flops,
-              ", memory_bandwidth=",
-              m.memory_bandwidth);
+  TORCH_CHECK_VALUE(m.flops > 0 && m.memory_bandwidth > 0,
+                    "plan: the machine needs flops and memory_bandwidth above 0, got flops=",
+                    m.flops,
+                    ", memory_bandwidth=",
+                    m.memory_bandwidth);
   TORCH_CHECK(!e.stages.empty() && static_cast<int64_t>(e.stages.size()) % l.pp == 0,
               "plan: the estimate has no stages of this layout (pp=",
               l.pp,
@@ -25,14 +25,14 @@ StepTime step_time(const Estimate& e, const Layout& l, const Machine& m) {
       return 0.0;
     }
     const auto it = m.links.find(dimension);
-    TORCH_CHECK(it != m.links.end() && it->second > 0,
-                "plan: the machine has no link for \"",
-                dimension,
-                "\" (",
-                dimension,
-                "=",
-                size,
-                "): give its bytes/s in links");
+    TORCH_CHECK_VALUE(it != m.links.end() && it->second > 0,
+                      "plan: the machine has no link for \"",
+                      dimension,
+                      "\" (",
+                      dimension,
+                      "=",
+                      size,
+                      "): give its bytes/s in links");
     return it->second;
   };
   // A ring collective of p ranks takes 2 (p - 1) messages' latency.

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "torch_mp/collectives.h"
+#include "torch_mp/errors.h"
 #include "torch_mp/mesh.h"
 #include "torch_mp/tensor_parallel/linear.h"
 
@@ -17,15 +18,16 @@ void check_non_negative(int64_t size, const std::string& what) {
 }
 
 int64_t divide(int64_t size, int64_t parts, const std::string& what) {
-  TORCH_CHECK(parts > 0, what, ": the tensor-parallel size must be positive, got ", parts);
+  TORCH_MP_CHECK_LAYOUT(
+      parts > 0, what, ": the tensor-parallel size must be positive, got ", parts);
   check_non_negative(size, what);
-  TORCH_CHECK(size % parts == 0,
-              what,
-              " (",
-              size,
-              ") must be divisible by the tensor-parallel size (",
-              parts,
-              ")");
+  TORCH_MP_CHECK_LAYOUT(size % parts == 0,
+                        what,
+                        " (",
+                        size,
+                        ") must be divisible by the tensor-parallel size (",
+                        parts,
+                        ")");
   return size / parts;
 }
 
