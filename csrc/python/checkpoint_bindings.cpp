@@ -73,26 +73,34 @@ void bind_checkpoint(py::module_& parent) {
       py::arg("parameter"),
       py::arg("default_group"));
   m.def("shard_file", &ckpt::shard_file, py::arg("pp"), py::arg("tp"), py::arg("expert_place") = 0);
+  py::class_<ckpt::SaveRequest>(m, "SaveRequest", "What a rank's save writes (shard_writer.h).")
+      .def(py::init([](std::vector<ckpt::Shard> shards,
+                       std::optional<std::string> file,
+                       std::vector<std::string> files,
+                       std::map<std::string, std::string> metadata,
+                       const std::map<std::string, py::bytes>& root_files) {
+             return ckpt::SaveRequest{.shards = std::move(shards),
+                                      .file = std::move(file),
+                                      .files = std::move(files),
+                                      .metadata = std::move(metadata),
+                                      .root_files = contents_of(root_files)};
+           }),
+           py::arg("shards"),
+           py::arg("file"),
+           py::arg("files"),
+           py::arg("metadata"),
+           py::arg("root_files"));
   m.def(
       "save",
       [](const std::string& path,
-         const std::vector<ckpt::Shard>& shards,
-         const std::optional<std::string>& file,
-         const std::vector<std::string>& files,
-         const std::map<std::string, std::string>& metadata,
-         const std::map<std::string, py::bytes>& root_files,
+         const ckpt::SaveRequest& request,
          const std::optional<std::string>& group) {
-        const auto contents = contents_of(root_files);
-        py::gil_scoped_release release;
-        ckpt::save(path, shards, file, files, metadata, contents, resolve_or_null(group));
+        ckpt::save(path, request, resolve_or_null(group));
       },
       py::arg("path"),
-      py::arg("shards"),
-      py::arg("file"),
-      py::arg("files"),
-      py::arg("metadata"),
-      py::arg("root_files"),
-      py::arg("group"));
+      py::arg("request"),
+      py::arg("group"),
+      py::call_guard<py::gil_scoped_release>());
   py::class_<ckpt::AsyncSave, std::shared_ptr<ckpt::AsyncSave>>(
       m, "AsyncSave", "A save running in the background.")
       .def("wait", &ckpt::AsyncSave::wait, py::call_guard<py::gil_scoped_release>())
@@ -101,26 +109,17 @@ void bind_checkpoint(py::module_& parent) {
   m.def(
       "async_save",
       [](const std::string& path,
-         const std::vector<ckpt::Shard>& shards,
-         const std::optional<std::string>& file,
-         const std::vector<std::string>& files,
-         const std::map<std::string, std::string>& metadata,
-         const std::map<std::string, py::bytes>& root_files,
+         const ckpt::SaveRequest& request,
          const std::string& world,
          const StorePtr& store) {
-        const auto contents = contents_of(root_files);
-        py::gil_scoped_release release;
         const auto group = ckpt::background_group(resolve(world), store);
-        return ckpt::async_save(path, shards, file, files, metadata, contents, group);
+        return ckpt::async_save(path, request, group);
       },
       py::arg("path"),
-      py::arg("shards"),
-      py::arg("file"),
-      py::arg("files"),
-      py::arg("metadata"),
-      py::arg("root_files"),
+      py::arg("request"),
       py::arg("world"),
       py::arg("store"),
+      py::call_guard<py::gil_scoped_release>(),
       "Saves in the background over the world's group of background saves (made over `store` "
       "the first time: collective over the world).");
   m.def(

@@ -189,7 +189,7 @@ _waits_at_exit = False
 
 
 def _save_request(path, model, optimizer, extra, rename, mesh, weights_only) -> tuple:
-    """What this rank's save writes: the arguments of the core's save but the group."""
+    """The path and what this rank's save writes (the core's SaveRequest)."""
     mesh = mesh or get_mesh()
     shards: list = []
     over_experts: list[bool] = []  # each shard's: a mixture of experts' tensor (expert group)
@@ -240,7 +240,8 @@ def _save_request(path, model, optimizer, extra, rename, mesh, weights_only) -> 
     }
     mine, files, kept = _C.checkpoint.plan_save(sizes_and_ranks, over_experts)
     shards = [shards[i] for i in kept]
-    return os.fspath(path), shards, mine, files, metadata, {EXTRA: extra_file}
+    request = _C.checkpoint.SaveRequest(shards, mine, files, metadata, {EXTRA: extra_file})
+    return os.fspath(path), request
 
 
 def _state_by_parameter(optimizer: torch.optim.Optimizer | None) -> dict:

@@ -81,30 +81,25 @@ at::Tensor snapshot(const at::Tensor& tensor) {
 }
 
 std::shared_ptr<AsyncSave> async_save(const std::string& path,
-                                      const std::vector<Shard>& shards,
-                                      const std::optional<std::string>& file,
-                                      const std::vector<std::string>& files,
-                                      const std::map<std::string, std::string>& metadata,
-                                      const std::map<std::string, std::string>& root_files,
+                                      const SaveRequest& request,
                                       const GroupPtr& group) {
   wait_for_pending_save();
   // The snapshot is agreed on: a rank that failed to take it alone would leave the others'
   // background saves to pair up with its next one.
-  std::vector<Shard> copies;
+  SaveRequest copy = request;
+  copy.shards.clear();
   std::vector<std::string> problems;
   collect_problems(problems, [&] {
-    for (const auto& shard : shards) {
-      if (file && writes(shard)) {
-        copies.push_back(shard);
-        copies.back().tensor = snapshot(shard.tensor);
+    for (const auto& shard : request.shards) {
+      if (request.file && writes(shard)) {
+        copy.shards.push_back(shard);
+        copy.shards.back().tensor = snapshot(shard.tensor);
       }
     }
   });
   raise_anywhere(problems, "torch_mp::checkpoint::async_save of " + path + " failed", group);
   auto handle = std::make_shared<AsyncSave>(
-      path, [path, copies = std::move(copies), file, files, metadata, root_files, group] {
-        write_checkpoint(path, copies, file, files, metadata, root_files, group);
-      });
+      path, [path, copy = std::move(copy), group] { write_checkpoint(path, copy, group); });
   pending_save = handle;
   return handle;
 }

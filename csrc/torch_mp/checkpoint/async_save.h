@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "torch_mp/checkpoint/shard_geometry.h"
+#include "torch_mp/checkpoint/shard_writer.h"
 #include "torch_mp/process_groups.h"
 
 namespace torch_mp::checkpoint {
@@ -61,15 +62,11 @@ class AsyncSave {
 at::Tensor snapshot(const at::Tensor& tensor);
 
 /// save (shard_writer.h) of the same arguments, in the background: the blocks this rank
-/// writes are snapshot before it returns, so the caller may change `shards`' tensors at once.
+/// writes are snapshot before it returns, so the caller may change the shards' tensors at once.
 /// `group` must be a group of its own, used by nothing else until the save is done (another
 /// thread's collectives on it would interleave with the save's). Collective over `group`.
 std::shared_ptr<AsyncSave> async_save(const std::string& path,
-                                      const std::vector<Shard>& shards,
-                                      const std::optional<std::string>& file,
-                                      const std::vector<std::string>& files,
-                                      const std::map<std::string, std::string>& metadata,
-                                      const std::map<std::string, std::string>& root_files,
+                                      const SaveRequest& request,
                                       const GroupPtr& group);
 
 /// Waits for the background save that this thread started and that may still be running; raises its

@@ -11,7 +11,7 @@
 
 #include "torch_mp/checkpoint/atomic_files.h"
 #include "torch_mp/checkpoint/optimizer_state.h"
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_state.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/optim/parameter_shards.h"
 #include "torch_mp/tensor_parallel/attention.h"
@@ -145,13 +145,6 @@ SaveLayout save_layout(const Mesh& mesh) {
 }
 
 // What this rank's save of `stages` and `optimizer` writes (shard_writer.h's save's arguments).
-struct SaveRequest {
-  std::vector<Shard> shards;
-  std::optional<std::string> file;
-  std::vector<std::string> files;
-  std::map<std::string, std::string> metadata;
-};
-
 SaveRequest save_request(const std::string& path,
                          const std::vector<Stage>& stages,
                          torch::optim::Optimizer* optimizer,
@@ -217,7 +210,11 @@ SaveRequest save_request(const std::string& path,
   for (const size_t i : plan.kept) {
     kept.push_back(std::move(shards[i]));
   }
-  return {std::move(kept), std::move(plan.file), std::move(plan.files), std::move(metadata)};
+  return {.shards = std::move(kept),
+          .file = std::move(plan.file),
+          .files = std::move(plan.files),
+          .metadata = std::move(metadata),
+          .root_files = {}};
 }
 
 void warn_if_unchecked(const Reader& reader) {
@@ -289,8 +286,7 @@ void save(const std::string& path,
   mesh = mesh ? mesh : get_mesh();
   const data_parallel::WholeParameters whole(parameters_of(stages));
   const auto request = save_request(path, stages, optimizer, extra, mesh);
-  checkpoint::save(
-      path, request.shards, request.file, request.files, request.metadata, {}, mesh->world);
+  checkpoint::save(path, request, mesh->world);
 }
 
 std::shared_ptr<AsyncSave> async_save(const std::string& path,
@@ -301,13 +297,7 @@ std::shared_ptr<AsyncSave> async_save(const std::string& path,
   mesh = mesh ? mesh : get_mesh();
   const data_parallel::WholeParameters whole(parameters_of(stages));  // (copied before return)
   const auto request = save_request(path, stages, optimizer, extra, mesh);
-  return checkpoint::async_save(path,
-                                request.shards,
-                                request.file,
-                                request.files,
-                                request.metadata,
-                                {},
-                                background_group(mesh->world, mesh->store));
+  return checkpoint::async_save(path, request, background_group(mesh->world, mesh->store));
 }
 
 std::map<std::string, std::string> load(const std::string& path,

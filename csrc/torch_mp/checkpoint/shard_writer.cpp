@@ -109,23 +109,13 @@ std::string shard_file(int64_t pp, int64_t tp, int64_t expert_place) {
          (expert_place > 0 ? "-e" + std::to_string(expert_place) : "") + ".safetensors";
 }
 
-void save(const std::string& path,
-          const std::vector<Shard>& shards,
-          const std::optional<std::string>& file,
-          const std::vector<std::string>& files,
-          const std::map<std::string, std::string>& metadata,
-          const std::map<std::string, std::string>& root_files,
-          const GroupPtr& group) {
+void save(const std::string& path, const SaveRequest& request, const GroupPtr& group) {
   wait_for_pending_save();
-  write_checkpoint(path, shards, file, files, metadata, root_files, group);
+  write_checkpoint(path, request, group);
 }
 
 void write_checkpoint(const std::string& path_in,
-                      const std::vector<Shard>& shards,
-                      const std::optional<std::string>& file,
-                      const std::vector<std::string>& files,
-                      const std::map<std::string, std::string>& metadata,
-                      const std::map<std::string, std::string>& root_files,
+                      const SaveRequest& request,
                       const GroupPtr& group) {
   const std::string what = "torch_mp::checkpoint::save of " + path_in + " failed";
   const std::string path = fs::absolute(path_in).lexically_normal().string();
@@ -141,15 +131,17 @@ void write_checkpoint(const std::string& path_in,
   }
   raise_anywhere(problems, what, group);
 
-  if (file) {
-    collect_problems(problems,
-                     [&] { write_shard_file(shards, (fs::path(partial) / *file).string()); });
+  if (request.file) {
+    collect_problems(problems, [&] {
+      write_shard_file(request.shards, (fs::path(partial) / *request.file).string());
+    });
   }
   auto failure = failure_anywhere(problems, what, group);
   if (!failure) {
     if (root) {
       collect_problems(problems, [&] {
-        publish(partial, path, tag, Index{.files = files, .metadata = metadata}, root_files);
+        const Index index{.files = request.files, .metadata = request.metadata};
+        publish(partial, path, tag, index, request.root_files);
       });
     }
     failure = failure_anywhere(problems, what, group);

@@ -48,10 +48,20 @@ struct SavePlan {
 /// nothing.
 SavePlan plan_save(const SaveLayout& layout, const std::vector<bool>& over_experts);
 
-/// Writes the checkpoint directory `path`: this rank's `shards` into `file` (none when nullopt:
-/// a data-parallel replica), then, on rank 0 of `group`, `root_files` (name -> contents) and
-/// `index.json` listing `files` (every shard file the checkpoint has) with `metadata`.
-/// Collective over `group` (every rank that holds the model).
+/// What a rank's save writes: its `shards` into `file` (none when nullopt: a data-parallel
+/// replica), and, on rank 0 of the group, `root_files` (name -> contents) and `index.json`
+/// listing `files` (every shard file the checkpoint has) with `metadata`.
+struct SaveRequest {
+  std::vector<Shard> shards;
+  std::optional<std::string> file;
+  std::vector<std::string> files;
+  std::map<std::string, std::string> metadata;
+  std::map<std::string, std::string> root_files;
+};
+
+/// Writes the checkpoint directory `path`: this rank's part of `request`, then, on rank 0 of
+/// `group`, the root files and the index. Collective over `group` (every rank that holds the
+/// model).
 ///
 /// Crash-safe: everything is written into a directory beside `path`, which replaces `path` (an
 /// earlier checkpoint is set aside first and removed last) only once every rank has written its
@@ -60,21 +70,9 @@ SavePlan plan_save(const SaveLayout& layout, const std::vector<bool>& over_exper
 /// and root file is written with its CRC-32C (checksum.h), which every read checks.
 ///
 /// A background save of this process still running (async_save.h) is waited for first.
-void save(const std::string& path,
-          const std::vector<Shard>& shards,
-          const std::optional<std::string>& file,
-          const std::vector<std::string>& files,
-          const std::map<std::string, std::string>& metadata,
-          const std::map<std::string, std::string>& root_files,
-          const GroupPtr& group);
+void save(const std::string& path, const SaveRequest& request, const GroupPtr& group);
 
 /// save without waiting for a background save first: what async_save's thread runs.
-void write_checkpoint(const std::string& path,
-                      const std::vector<Shard>& shards,
-                      const std::optional<std::string>& file,
-                      const std::vector<std::string>& files,
-                      const std::map<std::string, std::string>& metadata,
-                      const std::map<std::string, std::string>& root_files,
-                      const GroupPtr& group);
+void write_checkpoint(const std::string& path, const SaveRequest& request, const GroupPtr& group);
 
 }  // namespace torch_mp::checkpoint

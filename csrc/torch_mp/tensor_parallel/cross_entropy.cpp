@@ -208,16 +208,6 @@ Forward forward_meta(const at::Tensor& logits,
           at::empty_like(target, target.options().dtype(at::kLong))};
 }
 
-void backward_kernel_(at::Tensor& exp_logits,
-                      const at::Tensor& sum_exp,
-                      const at::Tensor& target_local,
-                      const at::Tensor& row_scale,
-                      double smoothing,
-                      int64_t vocab_size,
-                      int64_t real_columns) {
-  backward_pass_(exp_logits, sum_exp, target_local, row_scale, smoothing, vocab_size, real_columns);
-}
-
 void backward_meta_(at::Tensor&,
                     const at::Tensor&,
                     const at::Tensor&,
@@ -472,7 +462,7 @@ TORCH_LIBRARY_FRAGMENT(torch_mp, m) {
 
 TORCH_LIBRARY_IMPL(torch_mp, CompositeExplicitAutograd, m) {
   m.impl("vocab_parallel_cross_entropy_forward", &forward_kernel);
-  m.impl("vocab_parallel_cross_entropy_backward_", &backward_kernel_);
+  m.impl("vocab_parallel_cross_entropy_backward_", &backward_pass_);
 }
 
 TORCH_LIBRARY_IMPL(torch_mp, Meta, m) {
