@@ -2,7 +2,7 @@
 against its reduce-scatter (as a list and as one tensor) and its all-gather.
 
 On Gloo the reduce-scatter is slower than the all-reduce of the whole bucket, so ZeRO-2 and
-ZeRO-3 all-reduce their gradient buckets there and keep their own range (sharded_gradient_sync);
+ZeRO-3 all-reduce their gradient buckets there and keep their own range (sharded_state);
 this benchmark is what that choice rests on. Each round times every collective once, in turn,
 and the medians are printed with their ratio to the all-reduce::
 

@@ -148,7 +148,7 @@ class DataParallel(nn.Module):
                         "shard_gradients and step it with a plain optimizer"
                     )
             units = _units(module, unit) if shard_parameters else []
-            self._sync = _C.data_parallel.ShardedGradientSync(
+            self._sync = _C.data_parallel.ShardedState(
                 list(module.parameters()),
                 list(module.buffers()),
                 group.group_name,
@@ -387,7 +387,7 @@ def _check_plain_optimizers() -> None:
             return
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         for p in parameters:
-            if _C.data_parallel.ShardedGradientSync.manages(p):
+            if _C.data_parallel.ShardedState.manages(p):
                 raise RuntimeError(
                     f"{type(optimizer).__name__} steps a parameter (shape "
                     f"{tuple(p.shape)}) whose gradients a DataParallel(shard_gradients="

@@ -7,7 +7,7 @@
 
 #include "python/common.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_state.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/optim/clip_grad.h"
 
@@ -74,8 +74,8 @@ void bind_data_parallel(py::module_& parent) {
            ReleaseGil())
       .def("prepare_for_forward", &GradientSync::prepare_for_forward, ReleaseGil())
       .def("prepare_for_backward", &GradientSync::prepare_for_backward, ReleaseGil());
-  py::class_<ShardedGradientSync, std::shared_ptr<ShardedGradientSync>>(
-      m, "ShardedGradientSync", "Bucketed gradient reduce-scatter (ZeRO-2), fp32 main gradients.")
+  py::class_<ShardedState, std::shared_ptr<ShardedState>>(
+      m, "ShardedState", "Bucketed gradient reduce-scatter (ZeRO-2), fp32 main gradients.")
       .def(py::init([](std::vector<at::Tensor> parameters,
                        std::vector<at::Tensor> buffers,
                        const std::string& group,
@@ -85,16 +85,16 @@ void bind_data_parallel(py::module_& parent) {
                        std::vector<std::string> names,
                        bool shard_parameters,
                        std::vector<size_t> units) {
-             return ShardedGradientSync::create(std::move(parameters),
-                                                std::move(buffers),
-                                                resolve(group),
-                                                ShardedGradientSyncOptions()
-                                                    .bucket_cap_mb(bucket_cap_mb)
-                                                    .grad_dtype(grad_dtype)
-                                                    .broadcast_buffers(broadcast_buffers)
-                                                    .names(std::move(names))
-                                                    .shard_parameters(shard_parameters)
-                                                    .units(std::move(units)));
+             return ShardedState::create(std::move(parameters),
+                                         std::move(buffers),
+                                         resolve(group),
+                                         ShardedStateOptions()
+                                             .bucket_cap_mb(bucket_cap_mb)
+                                             .grad_dtype(grad_dtype)
+                                             .broadcast_buffers(broadcast_buffers)
+                                             .names(std::move(names))
+                                             .shard_parameters(shard_parameters)
+                                             .units(std::move(units)));
            }),
            py::arg("parameters"),
            py::arg("buffers"),
@@ -106,22 +106,23 @@ void bind_data_parallel(py::module_& parent) {
            py::arg("shard_parameters") = false,
            py::arg("units") = std::vector<size_t>{},
            ReleaseGil())
-      .def("prepare_for_forward", &ShardedGradientSync::prepare_for_forward, ReleaseGil())
-      .def("prepare_for_backward", &ShardedGradientSync::prepare_for_backward, ReleaseGil())
-      .def("zero_grad", &ShardedGradientSync::zero_grad, ReleaseGil())
-      .def("before_forward", &ShardedGradientSync::before_forward, py::arg("unit"), ReleaseGil())
-      .def("after_forward", &ShardedGradientSync::after_forward, py::arg("unit"), ReleaseGil())
-      .def("before_backward", &ShardedGradientSync::before_backward, py::arg("unit"), ReleaseGil())
-      .def("gather_parameters", &ShardedGradientSync::gather_parameters, ReleaseGil())
-      .def("free_parameters", &ShardedGradientSync::free_parameters, ReleaseGil())
-      .def("write_back_parameters", &ShardedGradientSync::write_back_parameters, ReleaseGil())
-      .def("parameter_shape", &ShardedGradientSync::parameter_shape, py::arg("parameter"))
-      .def_property_readonly("shards_parameters", &ShardedGradientSync::shards_parameters)
+      .def("prepare_for_forward", &ShardedState::prepare_for_forward, ReleaseGil())
+      .def("prepare_for_backward", &ShardedState::prepare_for_backward, ReleaseGil())
+      .def("zero_grad", &ShardedState::zero_grad, ReleaseGil())
+      .def("before_forward", &ShardedState::before_forward, py::arg("unit"), ReleaseGil())
+      .def("after_forward", &ShardedState::after_forward, py::arg("unit"), ReleaseGil())
+      .def("before_backward", &ShardedState::before_backward, py::arg("unit"), ReleaseGil())
+      .def("gather_parameters", &ShardedState::gather_parameters, ReleaseGil())
+      .def("free_parameters", &ShardedState::free_parameters, ReleaseGil())
+      .def("write_back_parameters", &ShardedState::write_back_parameters, ReleaseGil())
+      .def("parameter_shape", &ShardedState::parameter_shape, py::arg("parameter"))
+      .def_property_readonly("shards_parameters", &ShardedState::shards_parameters)
       .def_static(
           "manages",
-          [](const at::Tensor& p) { return ShardedGradientSync::of(p) != nullptr; },
+          [](const at::Tensor& p) { return ShardedState::of(p) != nullptr; },
           py::arg("parameter"))
-      .def_static("of", &ShardedGradientSync::of, py::arg("parameter"));
+      .def_static("of", &ShardedState::of, py::arg("parameter"));
+  m.attr("ShardedGradientSync") = m.attr("ShardedState");  // (its former name)
   py::class_<WholeParameters>(
       m, "WholeParameters", "The sharded (ZeRO-3) parameters among these, whole until release.")
       .def(py::init<const std::vector<at::Tensor>&, bool>(),

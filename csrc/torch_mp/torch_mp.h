@@ -12,7 +12,7 @@
 #include "torch_mp/data_parallel/data_parallel.h"          // IWYU pragma: export
 #include "torch_mp/data_parallel/gradient_sync.h"          // IWYU pragma: export
 #include "torch_mp/data_parallel/shard_layout.h"           // IWYU pragma: export
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"  // IWYU pragma: export
+#include "torch_mp/data_parallel/sharded_state.h"  // IWYU pragma: export
 #include "torch_mp/dense.h"                                // IWYU pragma: export
 #include "torch_mp/errors.h"                               // IWYU pragma: export
 #include "torch_mp/layout.h"                               // IWYU pragma: export

@@ -146,9 +146,14 @@ TEST_P(DistributedOptimizerWorld, ShardedGradientsStepAsPlainAdamWWithClipping) 
     const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
     torch::optim::AdamW reference_opt(reference->parameters(), options);
     torch::optim::AdamW plain_opt(plain->parameters(), options);
-    DistributedOptimizer zero(
-        sharded->parameters(), options, DistributedOptimizerOptions().group(mesh.dp_group));
+    // Handed the state its DataParallel made (the arrow runs optim -> data_parallel).
+    DistributedOptimizer zero(sharded->parameters(),
+                              options,
+                              DistributedOptimizerOptions()
+                                  .group(mesh.dp_group)
+                                  .sharded_state(sharded_dp->sharded_state()));
     ASSERT_TRUE(zero.shards().gradients());
+    ASSERT_EQ(zero.shards().gradients(), sharded_dp->sharded_state());
     const auto shared = std::make_shared<Mesh>(mesh);
     for (int step = 0; step < 3; ++step) {
       const auto x = testing::rank_randn({4 * world, kZeroWidth}, 80 + step, 0);
@@ -184,6 +189,36 @@ TEST_P(DistributedOptimizerWorld, ShardedGradientsStepAsPlainAdamWWithClipping) 
         EXPECT_TRUE(all_close(actual[i], expected[i])) << "step " << step << " param " << i;
       }
     }
+  });
+}
+
+TEST_P(DistributedOptimizerWorld, TheShardedStateIsFoundFromTheParametersOrHanded) {
+  const int world = GetParam();
+  testing::run_on_mesh(world, testing::test_options(1), [&](const Mesh& mesh) {
+    auto model = zero_test_model();
+    auto other = zero_test_model();
+    DataParallel dp(model.ptr(), DataParallelOptions().group(mesh.dp_group).shard_gradients(true));
+    DataParallel other_dp(other.ptr(),
+                          DataParallelOptions().group(mesh.dp_group).shard_gradients(true));
+    const auto options = torch::optim::AdamWOptions(1e-2);
+    // One lookup in one place (data_parallel/owners.h) finds what a DataParallel made.
+    DistributedOptimizer found(
+        model->parameters(), options, DistributedOptimizerOptions().group(mesh.dp_group));
+    EXPECT_EQ(found.shards().gradients(), dp->sharded_state());
+    // A state handed for parameters it does not hold is refused, naming the parameter.
+    const auto error = testing::error_of([&] {
+      DistributedOptimizer wrong(model->parameters(),
+                                 options,
+                                 DistributedOptimizerOptions()
+                                     .group(mesh.dp_group)
+                                     .sharded_state(other_dp->sharded_state()));
+    });
+    ASSERT_TRUE(error.has_value());
+    EXPECT_TRUE(testing::mentions(*error, "is not in the DataParallel(shard_gradients=True)"))
+        << *error;
+    EXPECT_EQ(DataParallel(zero_test_model().ptr(), DataParallelOptions().group(mesh.dp_group))
+                  ->sharded_state(),
+              nullptr);
   });
 }
 

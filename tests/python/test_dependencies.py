@@ -22,3 +22,17 @@ def test_the_base_includes_no_area():
         for area in INCLUDE.findall(path.read_text())
     ]
     assert not upward, "the base reaches up into an area:\n" + "\n".join(upward)
+
+
+def test_the_sharded_state_arrow_runs_from_optim_to_data_parallel():
+    # DataParallel makes the sharded state and the distributed optimizer is handed it
+    # (data_parallel/owners.h): nothing in data_parallel/ may reach into optim/.
+    data_parallel = sorted((CORE / "data_parallel").iterdir())
+    assert len(data_parallel) > 10
+    upward = [
+        f"{path.name} includes {area}/"
+        for path in data_parallel
+        for area in INCLUDE.findall(path.read_text())
+        if area == "optim"
+    ]
+    assert not upward, "data_parallel/ reaches into optim/:\n" + "\n".join(upward)

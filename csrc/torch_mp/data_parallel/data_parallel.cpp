@@ -7,8 +7,8 @@
 #include <functional>
 #include <unordered_map>
 
+#include "torch_mp/data_parallel/owners.h"
 #include "torch_mp/mesh.h"
-#include "torch_mp/optim/parameter_shards.h"
 
 namespace torch_mp::data_parallel {
 namespace {
@@ -122,11 +122,11 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
                   p.sizes(),
                   " is sharded over the expert group)");
     }
-    sharded_ = ShardedGradientSync::create(
+    sharded_ = ShardedState::create(
         module->parameters(),
         module->buffers(),
         options.group(),
-        ShardedGradientSyncOptions()
+        ShardedStateOptions()
             .bucket_cap_mb(options.bucket_cap_mb())
             .grad_dtype(options.grad_dtype())
             .broadcast_buffers(options.broadcast_buffers())
@@ -151,7 +151,7 @@ DataParallelImpl::DataParallelImpl(std::shared_ptr<torch::nn::Module> module_,
 }
 
 void DataParallelImpl::prepare_for_forward() {
-  optim::wait_for_gathers(module->parameters());  // (LibTorch has no forward pre-hooks)
+  wait_for_gathers(module->parameters());  // (LibTorch has no forward pre-hooks)
   sync_ ? sync_->prepare_for_forward() : sharded_->prepare_for_forward();
   if (sharded_ && sharded_->shards_parameters()) {
     for (size_t u = 0; u < sharded_->num_units(); ++u) {  // each prefetches the next
@@ -171,7 +171,7 @@ void DataParallelImpl::finish_forward(const std::vector<at::Tensor>& outputs) {
   if (!at::GradMode::is_enabled()) {
     return;
   }
-  std::weak_ptr<ShardedGradientSync> weak = sharded_;
+  std::weak_ptr<ShardedState> weak = sharded_;
   for (const auto& output : outputs) {
     if (output.defined() && output.requires_grad()) {
       output.register_hook([weak, units](const at::Tensor&) {

@@ -22,7 +22,7 @@
 #include <memory>
 
 #include "torch_mp/data_parallel/gradient_sync.h"
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_state.h"
 
 namespace torch_mp::data_parallel {
 
@@ -43,7 +43,7 @@ struct DataParallelOptions {
   /// Gradient compression for the all-reduce (none, fp16, bf16).
   TORCH_ARG(CommHook, comm_hook) = CommHook::kNone;
   /// Reduce-scatter the gradients so that each rank keeps its range's only (ZeRO-2), for a
-  /// DistributedOptimizer over the module's parameters (sharded_gradient_sync.h): the
+  /// DistributedOptimizer over the module's parameters (sharded_state.h): the
   /// parameters' .grad are then empty after a synced backward. A plain torch::optim optimizer
   /// would find no gradient and change nothing: LibTorch has no step hook through which to
   /// refuse it, so the next synced forward raises instead.
@@ -117,6 +117,10 @@ class DataParallelImpl : public torch::nn::Module {
   [[nodiscard]] WholeParameters gathered_parameters(bool write_back = false) {
     return WholeParameters(module->parameters(), write_back);
   }
+  /// The sharded state this DataParallel made (shard_gradients, grad_dtype or
+  /// shard_parameters; null otherwise): what to hand its DistributedOptimizer
+  /// (DistributedOptimizerOptions::sharded_state).
+  const std::shared_ptr<ShardedState>& sharded_state() const { return sharded_; }
   /// Arms the reduction for the next backward (forward does this unless under no_sync).
   /// Raises, naming them, if the last synced backward gave some parameters no gradient.
   void prepare_for_backward();
@@ -149,8 +153,8 @@ class DataParallelImpl : public torch::nn::Module {
 
  private:
   torch::nn::AnyModule forward_;
-  std::unique_ptr<GradientSync> sync_;            // all-reduce, or
-  std::shared_ptr<ShardedGradientSync> sharded_;  // reduce-scatter
+  std::unique_ptr<GradientSync> sync_;     // all-reduce, or
+  std::shared_ptr<ShardedState> sharded_;  // reduce-scatter
   bool require_backward_grad_sync_ = true;
 };
 

@@ -1,5 +1,5 @@
 #pragma once
-// What both gradient engines (gradient_sync.h, sharded_gradient_sync.h) need to know about a
+// What both gradient engines (gradient_sync.h, sharded_state.h) need to know about a
 // backward: when each parameter's gradient has been accumulated (a post-hook on its
 // AccumulateGrad node, where c10d's Reducer hooks too), and which parameters the armed backward
 // gave a gradient, so that a step after one that missed some is refused by name instead of

@@ -11,18 +11,14 @@
 
 #include "torch_mp/collectives.h"
 #include "torch_mp/data_parallel/gradient_hooks.h"
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+#include "torch_mp/data_parallel/owners.h"
+#include "torch_mp/data_parallel/sharded_state.h"
 #include "torch_mp/layout.h"
 
 namespace torch_mp::data_parallel {
 namespace {
 
 // Which GradientSync reduces each parameter's gradient (a step looks it up).
-std::mutex engines_mutex;
-std::unordered_map<const c10::TensorImpl*, GradientSync*>& engines() {
-  static std::unordered_map<const c10::TensorImpl*, GradientSync*> map;
-  return map;
-}
 
 constexpr size_t kBroadcastBucketBytes = 250u << 20;  // DDP's broadcast bucket
 
@@ -205,27 +201,20 @@ GradientSync::GradientSync(std::vector<at::Tensor> parameters,
     std::lock_guard<std::mutex> lock(mutex_);
     armed_->mark(i);
   });
-  std::lock_guard<std::mutex> lock(engines_mutex);
-  for (const auto& p : parameters_) {
-    engines()[p.unsafeGetTensorImpl()] = this;
-  }
+  change_owners(parameters_, [this](size_t, Owners& owner) { owner.sync = this; });
 }
 
 GradientSync::~GradientSync() {
   hooks_.reset();
-  std::lock_guard<std::mutex> lock(engines_mutex);
-  for (const auto& p : parameters_) {
-    const auto found = engines().find(p.unsafeGetTensorImpl());
-    if (found != engines().end() && found->second == this) {
-      engines().erase(found);
+  change_owners(parameters_, [this](size_t, Owners& owner) {
+    if (owner.sync == this) {
+      owner.sync = nullptr;
     }
-  }
+  });
 }
 
 GradientSync* GradientSync::of(const at::Tensor& parameter) {
-  std::lock_guard<std::mutex> lock(engines_mutex);
-  const auto found = engines().find(parameter.unsafeGetTensorImpl());
-  return found == engines().end() ? nullptr : found->second;
+  return owners_of({parameter}).front().sync;
 }
 
 void GradientSync::check_complete() const {
@@ -261,14 +250,14 @@ void GradientSync::prepare_for_backward() {
 
 void check_reductions_complete(const std::vector<at::Tensor>& parameters) {
   std::vector<const GradientSync*> plain;
-  std::vector<std::shared_ptr<ShardedGradientSync>> sharded;
+  std::vector<std::shared_ptr<ShardedState>> sharded;
   for (const auto& p : parameters) {
     if (const auto* engine = GradientSync::of(p)) {
       if (std::find(plain.begin(), plain.end(), engine) == plain.end()) {
         plain.push_back(engine);
         engine->check_complete();
       }
-    } else if (auto engine = ShardedGradientSync::of(p)) {
+    } else if (auto engine = ShardedState::of(p)) {
       if (std::find(sharded.begin(), sharded.end(), engine) == sharded.end()) {
         sharded.push_back(engine);
         engine->check_complete();

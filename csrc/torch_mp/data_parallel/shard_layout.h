@@ -1,7 +1,7 @@
 #pragma once
 // How parameters are cut over a data-parallel group for ZeRO (docs/design.md §5.4), shared by the
 // distributed optimizer (optim/parameter_shards.h) and the gradient reduce-scatter
-// (sharded_gradient_sync.h), which must agree on it element for element.
+// (sharded_state.h), which must agree on it element for element.
 //
 // The parameters, in order, are laid end to end in flat buckets; each bucket is padded to a
 // multiple of the group size and cut into that many equal ranges; rank r owns range r of every

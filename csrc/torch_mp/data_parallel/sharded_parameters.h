@@ -18,7 +18,7 @@
 //                     use gathers the new values
 //
 // A unit is a set of parameters: those of the modules it covers, outside any unit nested in it.
-// Every bucket holds one unit's parameters only. Not thread-safe: ShardedGradientSync locks.
+// Every bucket holds one unit's parameters only. Not thread-safe: ShardedState locks.
 
 #include <ATen/core/Tensor.h>
 

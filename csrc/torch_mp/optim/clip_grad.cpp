@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "torch_mp/collectives.h"
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_state.h"
 #include "torch_mp/layout.h"
 
 namespace torch_mp {
@@ -62,14 +62,14 @@ struct ShardedGradients {
 };
 
 std::vector<ShardedGradients> sharded_gradients(const std::vector<at::Tensor>& parameters) {
-  std::vector<std::pair<std::shared_ptr<data_parallel::ShardedGradientSync>,
+  std::vector<std::pair<std::shared_ptr<data_parallel::ShardedState>,
                         std::unordered_set<const c10::TensorImpl*>>>
       engines;
   for (const auto& p : parameters) {
     if (p.grad().defined()) {
       continue;
     }
-    auto engine = data_parallel::ShardedGradientSync::of(p);
+    auto engine = data_parallel::ShardedState::of(p);
     if (!engine) {
       continue;
     }

@@ -23,6 +23,7 @@ void DistributedOptimizer::build(const DistributedOptimizerOptions& options,
                                             .bucket_cap_mb(options.bucket_cap_mb())
                                             .master_dtype(options.master_dtype())
                                             .overlap_param_gather(options.overlap_param_gather())
+                                            .sharded_state(options.sharded_state())
                                             .expert_group(mesh ? mesh->ep_group : nullptr));
   std::vector<std::vector<at::Tensor>> local_params(param_groups().size());
   for (size_t s = 0; s < shards_->pieces().size(); ++s) {

@@ -42,6 +42,10 @@ struct DistributedOptimizerOptions {
   /// Return from step() with the parameters' all-gather still running, overlapped with what
   /// comes next; torch_mp::DataParallel's forward waits for it (ParameterShardsOptions).
   TORCH_ARG(bool, overlap_param_gather) = false;
+  /// The sharded state of the DataParallel(shard_gradients, grad_dtype or shard_parameters)
+  /// whose parameters these are: DataParallel::sharded_state(). Null: found from the
+  /// parameters (their one owner, data_parallel/owners.h).
+  TORCH_ARG(std::shared_ptr<data_parallel::ShardedState>, sharded_state) = {};
 };
 
 /// The LibTorch optimizer of an options type (AdamWOptions -> AdamW, ...).

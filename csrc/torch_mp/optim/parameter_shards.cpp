@@ -13,7 +13,8 @@
 #include "torch_mp/comm.h"
 #include "torch_mp/data_parallel/gradient_hooks.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+#include "torch_mp/data_parallel/owners.h"
+#include "torch_mp/data_parallel/sharded_state.h"
 
 namespace torch_mp::optim {
 
@@ -21,34 +22,26 @@ using data_parallel::flat_view;
 using data_parallel::GradientSync;
 using data_parallel::parameter_name;
 using data_parallel::ShardBucket;
-using data_parallel::ShardedGradientSync;
+using data_parallel::ShardedState;
 
 namespace {
 
-// Which ParameterShards (and which of its buckets) holds each parameter, for wait_for_gathers.
-std::mutex holders_mutex;
-std::unordered_map<const c10::TensorImpl*, std::pair<const ParameterShards*, size_t>>& holders() {
-  static std::unordered_map<const c10::TensorImpl*, std::pair<const ParameterShards*, size_t>> map;
-  return map;
-}
-
-// The engine that reduce-scatters the gradients of `parameters`, if a DataParallel shards them;
-// raises unless it holds exactly these parameters, in this order (its layout is then ours).
-std::shared_ptr<ShardedGradientSync> sharding_engine(const std::vector<at::Tensor>& parameters,
-                                                     const std::vector<std::string>& names,
-                                                     const GroupPtr& group) {
-  std::shared_ptr<ShardedGradientSync> engine;
-  for (const auto& p : parameters) {
-    engine = ShardedGradientSync::of(p);
-    if (engine) {
-      break;
-    }
+// The sharded state that reduce-scatters the gradients of `parameters`: `handed`, or the one
+// the owners' map holds for them (none: no DataParallel shards them); raises unless it holds
+// exactly these parameters, in this order (its layout is then ours).
+std::shared_ptr<ShardedState> sharded_state_of(const std::vector<at::Tensor>& parameters,
+                                               const std::vector<std::string>& names,
+                                               const GroupPtr& group,
+                                               std::shared_ptr<ShardedState> handed) {
+  std::shared_ptr<ShardedState> engine = std::move(handed);
+  for (size_t i = 0; !engine && i < parameters.size(); ++i) {
+    engine = ShardedState::of(parameters[i]);
   }
   if (!engine) {
     return nullptr;
   }
   for (size_t i = 0; i < parameters.size(); ++i) {
-    TORCH_CHECK(ShardedGradientSync::of(parameters[i]) == engine,
+    TORCH_CHECK(ShardedState::of(parameters[i]) == engine,
                 "DistributedOptimizer: ",
                 parameter_name(names, parameters, i),
                 " is not in the DataParallel(shard_gradients=True) that reduces the others' "
@@ -121,7 +114,7 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
   }
   comm::check_same_tensors_across_ranks(
       parameters_, group_, "DistributedOptimizer: the parameters of the data-parallel ranks");
-  gradients_ = sharding_engine(parameters_, names_, group_);
+  gradients_ = sharded_state_of(parameters_, names_, group_, options.sharded_state());
   sharded_ = gradients_ && gradients_->shards_parameters();
   if (gradients_) {  // (its buckets are ours)
     layout_ = gradients_->layout();
@@ -151,12 +144,16 @@ ParameterShards::ParameterShards(std::vector<at::Tensor> parameters,
     gathering_.resize(layout_.buckets.size());
   }
   if (overlap_param_gather_ && group_->getSize() > 1 && !sharded_) {
-    std::lock_guard<std::mutex> lock(holders_mutex);
+    std::vector<size_t> bucket_of(parameters_.size());
     for (size_t b = 0; b < layout_.buckets.size(); ++b) {
       for (const size_t i : layout_.buckets[b].parameters) {
-        holders()[parameters_[i].unsafeGetTensorImpl()] = {this, b};
+        bucket_of[i] = b;
       }
     }
+    data_parallel::change_owners(parameters_, [&](size_t i, data_parallel::Owners& owner) {
+      owner.gathers = this;
+      owner.bucket = bucket_of[i];
+    });
   }
   if (!sharded_) {  // (ZeRO-3 parameters' data changes at every gather)
     for (const auto& p : parameters_) {
@@ -185,15 +182,11 @@ at::ScalarType ParameterShards::shard_dtype(const ShardBucket& bucket) const {
 }
 
 ParameterShards::~ParameterShards() {
-  {
-    std::lock_guard<std::mutex> lock(holders_mutex);
-    for (const auto& p : parameters_) {
-      const auto found = holders().find(p.unsafeGetTensorImpl());
-      if (found != holders().end() && found->second.first == this) {
-        holders().erase(found);
-      }
+  data_parallel::change_owners(parameters_, [this](size_t, data_parallel::Owners& owner) {
+    if (owner.gathers == this) {
+      owner.gathers = nullptr;
     }
-  }
+  });
   // All-gathers still running hold their buckets themselves: no wait here (a destructor may
   // run where waiting would deadlock, as under Python's lock, which Gloo's threads take to
   // free a finished work's tensors).
@@ -204,7 +197,7 @@ void ParameterShards::take_gradients() {
   const auto& pieces = layout_.pieces;
   if (!gradients_) {  // a sharding DataParallel made after us would leave every .grad empty
     for (const auto& p : parameters_) {
-      TORCH_CHECK(!ShardedGradientSync::of(p),
+      TORCH_CHECK(!ShardedState::of(p),
                   "DistributedOptimizer: a DataParallel(shard_gradients=True or "
                   "shard_parameters=True) made after this optimizer reduces its parameters' "
                   "gradients, so it would find none; build the optimizer after wrapping the "
@@ -309,25 +302,6 @@ void ParameterShards::wait_for_parameters() const {
       work.reset();
       comm::wait(pending, group_, "all_gather (of the parameters)");
     }
-  }
-}
-
-void wait_for_gathers(const std::vector<at::Tensor>& parameters) {
-  std::vector<std::pair<const ParameterShards*, size_t>> due;
-  {
-    std::lock_guard<std::mutex> lock(holders_mutex);
-    if (holders().empty()) {
-      return;
-    }
-    for (const auto& p : parameters) {
-      const auto found = holders().find(p.unsafeGetTensorImpl());
-      if (found != holders().end()) {
-        due.push_back(found->second);
-      }
-    }
-  }
-  for (const auto& [shards, bucket] : due) {
-    shards->wait_for_bucket(bucket);
   }
 }
 

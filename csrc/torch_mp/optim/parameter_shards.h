@@ -5,7 +5,7 @@
 // place) or, with a master dtype, a copy in that dtype (fp32 masters of 16-bit parameters).
 // Their gradients are the parameters' (averaged by DataParallel: ZeRO-1), or this rank's range
 // of the reduce-scatter of a DataParallel that shards gradients (ZeRO-2,
-// data_parallel/sharded_gradient_sync.h). After the local optimizer steps the shards,
+// data_parallel/sharded_state.h). After the local optimizer steps the shards,
 // gather_parameters() all-gathers every bucket, so each rank holds the whole updated model. Over
 // more than one rank the buckets are the parameters' storage: each parameter becomes a view of
 // its range of one flat tensor per bucket (the same tensor to autograd, modules and optimizers),
@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "torch_mp/data_parallel/owners.h"
 #include "torch_mp/data_parallel/shard_layout.h"
 #include "torch_mp/process_groups.h"
 
@@ -29,7 +30,7 @@ class Work;
 }  // namespace c10d
 
 namespace torch_mp::data_parallel {
-class ShardedGradientSync;
+class ShardedState;
 }  // namespace torch_mp::data_parallel
 
 namespace torch_mp::optim {
@@ -53,15 +54,19 @@ struct ParameterShardsOptions {
   /// it (wait_for_gathers, which DataParallel calls), or by wait_for_parameters(), or by this
   /// class's next use. Until then the parameters hold other ranks' ranges of the last step.
   TORCH_ARG(bool, overlap_param_gather) = false;
+  /// The sharded state of the DataParallel that reduces these parameters' gradients
+  /// (DataParallel::sharded_state()); null: the one the parameters belong to, if any
+  /// (data_parallel/owners.h). It must hold exactly these parameters, in its order.
+  TORCH_ARG(std::shared_ptr<data_parallel::ShardedState>, sharded_state) = {};
 };
 
 using data_parallel::ShardPiece;
 
 /// The parameters of one data-parallel group, cut into flat buckets and owned range by range
 /// (see the top of this file).
-class ParameterShards {
+class ParameterShards : public data_parallel::ParameterGathers {
  public:
-  ~ParameterShards();
+  ~ParameterShards() override;
   ParameterShards(const ParameterShards&) = delete;
   ParameterShards& operator=(const ParameterShards&) = delete;
   /// Raises on every rank if the ranks' parameters differ in number, shape or dtype, and if a
@@ -86,9 +91,7 @@ class ParameterShards {
   size_t num_buckets() const { return layout_.buckets.size(); }
   /// The DataParallel engine whose reduce-scatter gives the shards' gradients, or null (then
   /// they are the parameters' .grad).
-  const std::shared_ptr<data_parallel::ShardedGradientSync>& gradients() const {
-    return gradients_;
-  }
+  const std::shared_ptr<data_parallel::ShardedState>& gradients() const { return gradients_; }
 
   /// Points each shard's `.grad` at its averaged gradient elements (converted to the shard's
   /// dtype where they differ); a parameter without a gradient leaves its shards without one.
@@ -116,7 +119,7 @@ class ParameterShards {
   /// Waits for the all-gathers gather_parameters() left running (overlap_param_gather).
   void wait_for_parameters() const;
   /// Waits for bucket `bucket`'s all-gather, if it is still running.
-  void wait_for_bucket(size_t bucket) const;
+  void wait_for_bucket(size_t bucket) const override;
   /// How many buckets' all-gathers have not been waited for yet.
   size_t pending_gathers() const;
 
@@ -152,12 +155,13 @@ class ParameterShards {
   mutable std::vector<c10::intrusive_ptr<c10d::Work>> gathering_;
   std::vector<const void*> data_of_;  // where each parameter's data lives (checked at a step)
   std::vector<at::Tensor> shards_;
-  std::shared_ptr<data_parallel::ShardedGradientSync> gradients_;
+  std::shared_ptr<data_parallel::ShardedState> gradients_;
 };
 
 /// Waits for the all-gathers still filling the buckets that hold any of `parameters` (a
 /// DistributedOptimizer's with overlap_param_gather), so that they hold the last step's values:
-/// what a forward calls before it uses them. Nothing pending: returns at once.
-void wait_for_gathers(const std::vector<at::Tensor>& parameters);
+/// what a forward calls before it uses them (data_parallel/owners.h). Nothing pending: returns
+/// at once.
+using data_parallel::wait_for_gathers;
 
 }  // namespace torch_mp::optim

@@ -9,7 +9,7 @@
 #include "torch_mp/collectives.h"
 #include "torch_mp/comm.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_state.h"
 #include "torch_mp/layout.h"
 #include "torch_mp/mesh.h"
 
@@ -24,7 +24,7 @@ GroupPtr group_or_default(const GroupPtr& group) { return group ? group : get_me
 // and each rank keeps its pieces of the total (piece_gradient is a 1-D view into the reduced
 // gradients). Every rank of the data group takes part in both sums, pieces or none.
 void tie_sharded_gradient(const at::Tensor& p,
-                          const data_parallel::ShardedGradientSync& engine,
+                          const data_parallel::ShardedState& engine,
                           const GroupPtr& embedding_group) {
   const auto& parameters = engine.parameters();
   const auto found = std::find_if(parameters.begin(), parameters.end(), [&](const at::Tensor& q) {
@@ -187,7 +187,7 @@ std::optional<at::Tensor> Pipeline::step(const std::vector<at::Tensor>& inputs,
                                          const std::vector<at::Tensor>& targets) {
   auto loss = executor_->step(split(inputs), split(targets));
   for (auto& p : tied_) {
-    if (const auto engine = data_parallel::ShardedGradientSync::of(p)) {
+    if (const auto engine = data_parallel::ShardedState::of(p)) {
       tie_sharded_gradient(p, *engine, embedding_group_);
       continue;
     }

@@ -1,8 +1,15 @@
 #pragma once
-// The gradient engine of DataParallel(shard_gradients=True) and of DataParallel(grad_dtype=...):
-// gradients reduce-scattered over the data-parallel group so that each rank keeps the averaged
-// gradient of its own range only (ZeRO-2), in the flat buckets of shard_layout.h, which the
-// DistributedOptimizer steps (docs/design.md §5.4).
+// The sharded state of one data-parallel group, and its one owner: what
+// DataParallel(shard_gradients=True), DataParallel(grad_dtype=...) and
+// DataParallel(shard_parameters=True) make, and what the DistributedOptimizer, clip_grad_norm_,
+// GradScaler and checkpoints are handed (DataParallel::sharded_state(), or the one lookup of
+// owners.h from the parameters). It holds the ShardLayout, the flat buckets of main gradients
+// (of any grad_dtype), this rank's reduce-scattered range of each, the staging of the
+// reduce-scatter, and (ZeRO-3) the parameters' shards and gathers (sharded_parameters.h); the
+// distributed optimizer's fp32 masters cover this rank's pieces of its layout. Gradients are
+// reduce-scattered over the group so that each rank keeps the averaged gradient of its own range
+// only (ZeRO-2), in the flat buckets of shard_layout.h, which the DistributedOptimizer steps
+// (docs/design.md §5.4).
 //
 //   every backward     (grad_dtype) each parameter's new gradient is added into an fp32 main
 //                      gradient bucket and dropped from .grad, micro-batch after micro-batch
@@ -42,8 +49,8 @@ class Work;
 
 namespace torch_mp::data_parallel {
 
-/// Options of ShardedGradientSync.
-struct ShardedGradientSyncOptions {
+/// Options of ShardedState.
+struct ShardedStateOptions {
   /// Size of a flat bucket in MiB (it is also the DistributedOptimizer's).
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   /// Accumulate and reduce in this dtype (fp32 main gradients of 16-bit parameters); None: in
@@ -65,20 +72,20 @@ class ShardedParameters;
 
 /// Reduce-scatters the gradients of `parameters` over a data-parallel group (see the top of the
 /// file). Made by create(): its gradient hooks hold it weakly.
-class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientSync> {
+class ShardedState : public std::enable_shared_from_this<ShardedState> {
  public:
   /// Copies rank 0's parameters and buffers to every rank. Raises on every rank if the ranks'
   /// parameters or buffers differ in number, shape or dtype.
-  static std::shared_ptr<ShardedGradientSync> create(std::vector<at::Tensor> parameters,
-                                                     std::vector<at::Tensor> buffers,
-                                                     GroupPtr group,
-                                                     ShardedGradientSyncOptions options = {});
-  ~ShardedGradientSync();
-  ShardedGradientSync(const ShardedGradientSync&) = delete;
-  ShardedGradientSync& operator=(const ShardedGradientSync&) = delete;
+  static std::shared_ptr<ShardedState> create(std::vector<at::Tensor> parameters,
+                                              std::vector<at::Tensor> buffers,
+                                              GroupPtr group,
+                                              ShardedStateOptions options = {});
+  ~ShardedState();
+  ShardedState(const ShardedState&) = delete;
+  ShardedState& operator=(const ShardedState&) = delete;
 
   /// The engine that reduces `parameter`'s gradient, or null.
-  static std::shared_ptr<ShardedGradientSync> of(const at::Tensor& parameter);
+  static std::shared_ptr<ShardedState> of(const at::Tensor& parameter);
 
   /// Call before a forward: broadcasts the buffers when a synced backward ran since the last
   /// broadcast (as GradientSync does).
@@ -136,10 +143,10 @@ class ShardedGradientSync : public std::enable_shared_from_this<ShardedGradientS
   }
 
  private:
-  ShardedGradientSync(std::vector<at::Tensor> parameters,
-                      std::vector<at::Tensor> buffers,
-                      GroupPtr group,
-                      ShardedGradientSyncOptions options);
+  ShardedState(std::vector<at::Tensor> parameters,
+               std::vector<at::Tensor> buffers,
+               GroupPtr group,
+               ShardedStateOptions options);
   void register_hooks();
   void on_gradient(size_t parameter);  // after AccumulateGrad of `parameter`
   void launch(size_t bucket);
@@ -209,8 +216,12 @@ class WholeParameters {
   void release();
 
  private:
-  std::vector<std::shared_ptr<ShardedGradientSync>> engines_;
+  std::vector<std::shared_ptr<ShardedState>> engines_;
   bool write_back_;
 };
+
+/// The former names of ShardedState and its options.
+using ShardedGradientSync = ShardedState;
+using ShardedGradientSyncOptions = ShardedStateOptions;
 
 }  // namespace torch_mp::data_parallel

@@ -1,4 +1,4 @@
-#include "torch_mp/data_parallel/sharded_gradient_sync.h"
+#include "torch_mp/data_parallel/sharded_state.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -12,17 +12,13 @@
 #include "torch_mp/comm.h"
 #include "torch_mp/data_parallel/gradient_hooks.h"
 #include "torch_mp/data_parallel/gradient_sync.h"
+#include "torch_mp/data_parallel/owners.h"
 #include "torch_mp/data_parallel/sharded_parameters.h"
 
 namespace torch_mp::data_parallel {
 namespace {
 
 // Which engine reduces each parameter's gradient (the optimizer and clipping look it up).
-std::mutex registry_mutex;
-std::unordered_map<const c10::TensorImpl*, std::weak_ptr<ShardedGradientSync>>& registry() {
-  static std::unordered_map<const c10::TensorImpl*, std::weak_ptr<ShardedGradientSync>> map;
-  return map;
-}
 
 // Whether Gloo carries the group's collectives on `device`.
 bool gloo_serves(const GroupPtr& group, const c10::Device& device) {
@@ -38,12 +34,11 @@ bool gloo_serves(const GroupPtr& group, const c10::Device& device) {
 
 }  // namespace
 
-std::shared_ptr<ShardedGradientSync> ShardedGradientSync::create(
-    std::vector<at::Tensor> parameters,
-    std::vector<at::Tensor> buffers,
-    GroupPtr group,
-    ShardedGradientSyncOptions options) {
-  std::shared_ptr<ShardedGradientSync> sync(new ShardedGradientSync(
+std::shared_ptr<ShardedState> ShardedState::create(std::vector<at::Tensor> parameters,
+                                                   std::vector<at::Tensor> buffers,
+                                                   GroupPtr group,
+                                                   ShardedStateOptions options) {
+  std::shared_ptr<ShardedState> sync(new ShardedState(
       std::move(parameters), std::move(buffers), std::move(group), std::move(options)));
   sync->register_hooks();  // (their gradient accumulators take the parameters' whole shapes)
   if (options.shard_parameters()) {
@@ -53,10 +48,10 @@ std::shared_ptr<ShardedGradientSync> ShardedGradientSync::create(
   return sync;
 }
 
-ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
-                                         std::vector<at::Tensor> buffers,
-                                         GroupPtr group,
-                                         ShardedGradientSyncOptions options)
+ShardedState::ShardedState(std::vector<at::Tensor> parameters,
+                           std::vector<at::Tensor> buffers,
+                           GroupPtr group,
+                           ShardedStateOptions options)
     : buffers_(std::move(buffers)),
       group_(std::move(group)),
       broadcast_buffers_(options.broadcast_buffers()),
@@ -118,19 +113,15 @@ ShardedGradientSync::ShardedGradientSync(std::vector<at::Tensor> parameters,
   ready_count_.assign(layout_.buckets.size(), 0);
 }
 
-void ShardedGradientSync::register_hooks() {
-  std::weak_ptr<ShardedGradientSync> weak = weak_from_this();
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    for (size_t i = 0; i < parameters_.size(); ++i) {
-      auto& known = registry()[parameters_[i].unsafeGetTensorImpl()];
-      TORCH_CHECK(known.expired(),
-                  "DataParallel: ",
-                  name(i),
-                  " is already wrapped in another DataParallel that shards its gradients");
-      known = weak;
-    }
-  }
+void ShardedState::register_hooks() {
+  std::weak_ptr<ShardedState> weak = weak_from_this();
+  change_owners(parameters_, [this, &weak](size_t i, Owners& owner) {
+    TORCH_CHECK(owner.sharded.expired(),
+                "DataParallel: ",
+                name(i),
+                " is already wrapped in another DataParallel that shards its gradients");
+    owner.sharded = weak;
+  });
   hooks_ = std::make_unique<GradientHooks>(parameters_, [weak](size_t i) {
     if (auto self = weak.lock()) {
       self->on_gradient(i);
@@ -138,26 +129,22 @@ void ShardedGradientSync::register_hooks() {
   });
 }
 
-ShardedGradientSync::~ShardedGradientSync() {
+ShardedState::~ShardedState() {
   hooks_.reset();
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  for (const auto& p : parameters_) {
-    const auto found = registry().find(p.unsafeGetTensorImpl());
-    if (found != registry().end() && found->second.expired()) {
-      registry().erase(found);
+  change_owners(parameters_, [](size_t, Owners& owner) {
+    if (owner.sharded.expired()) {
+      owner.sharded.reset();
     }
-  }
+  });
 }
 
-std::string ShardedGradientSync::name(size_t i) const { return armed_->name(i); }
+std::string ShardedState::name(size_t i) const { return armed_->name(i); }
 
-std::shared_ptr<ShardedGradientSync> ShardedGradientSync::of(const at::Tensor& parameter) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  const auto found = registry().find(parameter.unsafeGetTensorImpl());
-  return found == registry().end() ? nullptr : found->second.lock();
+std::shared_ptr<ShardedState> ShardedState::of(const at::Tensor& parameter) {
+  return owners_of({parameter}).front().sharded.lock();
 }
 
-void ShardedGradientSync::prepare_for_forward() {
+void ShardedState::prepare_for_forward() {
   if (!at::GradMode::is_enabled()) {
     return;
   }
@@ -167,7 +154,7 @@ void ShardedGradientSync::prepare_for_forward() {
   buffers_stale_ = false;
 }
 
-void ShardedGradientSync::prepare_for_backward() {
+void ShardedState::prepare_for_backward() {
   check_complete();
   std::lock_guard<std::mutex> lock(mutex_);
   // Reduced gradients that no DistributedOptimizer stepped (or zero_grad dropped): a plain
@@ -185,7 +172,7 @@ void ShardedGradientSync::prepare_for_backward() {
   launched_ = 0;
 }
 
-void ShardedGradientSync::on_gradient(size_t i) {
+void ShardedState::on_gradient(size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (sharded_) {  // (the unit may be freed: its gradient is in .grad)
     sharded_->on_gradient(i);
@@ -212,7 +199,7 @@ void ShardedGradientSync::on_gradient(size_t i) {
   }
 }
 
-void ShardedGradientSync::launch(size_t b) {
+void ShardedState::launch(size_t b) {
   const ShardBucket& bucket = layout_.buckets[b];
   const int64_t size = group_->getSize();
   const int64_t chunk = bucket.chunk;
@@ -268,9 +255,7 @@ void ShardedGradientSync::launch(size_t b) {
   }
 }
 
-at::Tensor ShardedGradientSync::staging_buffer(int slot,
-                                               int64_t numel,
-                                               const at::TensorOptions& options) {
+at::Tensor ShardedState::staging_buffer(int slot, int64_t numel, const at::TensorOptions& options) {
   for (auto& pending : pending_) {
     if (pending.staging == slot) {
       complete(pending);  // its bucket still reads the buffer
@@ -284,7 +269,7 @@ at::Tensor ShardedGradientSync::staging_buffer(int slot,
   return buffer.narrow(0, 0, numel);
 }
 
-void ShardedGradientSync::complete(Pending& pending) {
+void ShardedState::complete(Pending& pending) {
   if (!pending.work) {
     return;
   }
@@ -307,7 +292,7 @@ void ShardedGradientSync::complete(Pending& pending) {
   }
 }
 
-void ShardedGradientSync::finish() {
+void ShardedState::finish() {
   for (auto& pending : pending_) {
     complete(pending);
   }
@@ -315,16 +300,16 @@ void ShardedGradientSync::finish() {
   main_dirty_ = false;
 }
 
-at::Tensor ShardedGradientSync::piece_gradient(size_t piece) const {
+at::Tensor ShardedState::piece_gradient(size_t piece) const {
   check_complete();
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(piece < piece_bucket_.size(), "ShardedGradientSync: no piece ", piece);
+  TORCH_CHECK(piece < piece_bucket_.size(), "ShardedState: no piece ", piece);
   const at::Tensor& reduced = reduced_[piece_bucket_[piece]];
   return reduced.defined() ? reduced.narrow(0, piece_start_[piece], layout_.pieces[piece].numel)
                            : at::Tensor();
 }
 
-void ShardedGradientSync::release() {
+void ShardedState::release() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& r : reduced_) {
     if (r.defined() && grad_dtype_) {
@@ -334,7 +319,7 @@ void ShardedGradientSync::release() {
   }
 }
 
-void ShardedGradientSync::zero_grad() {
+void ShardedState::zero_grad() {
   release();
   std::lock_guard<std::mutex> lock(mutex_);
   if (main_dirty_) {
@@ -345,7 +330,7 @@ void ShardedGradientSync::zero_grad() {
   }
 }
 
-void ShardedGradientSync::check_complete() const {
+void ShardedState::check_complete() const {
   std::lock_guard<std::mutex> lock(mutex_);
   armed_->check_complete("DataParallel(shard_gradients=True)");
 }
@@ -358,48 +343,48 @@ void check_sharding(const std::unique_ptr<ShardedParameters>& sharded) {
 }
 }  // namespace
 
-void ShardedGradientSync::before_forward(size_t unit) {
+void ShardedState::before_forward(size_t unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_sharding(sharded_);
   sharded_->before_forward(unit);
 }
 
-void ShardedGradientSync::after_forward(size_t unit) {
+void ShardedState::after_forward(size_t unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_sharding(sharded_);
   sharded_->after_forward(unit);
 }
 
-void ShardedGradientSync::before_backward(size_t unit) {
+void ShardedState::before_backward(size_t unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_sharding(sharded_);
   sharded_->before_backward(unit);
 }
 
-void ShardedGradientSync::gather_parameters() {
+void ShardedState::gather_parameters() {
   std::lock_guard<std::mutex> lock(mutex_);
   check_sharding(sharded_);
   sharded_->gather_all();
 }
 
-void ShardedGradientSync::free_parameters() {
+void ShardedState::free_parameters() {
   std::lock_guard<std::mutex> lock(mutex_);
   check_sharding(sharded_);
   sharded_->free_all();
 }
 
-void ShardedGradientSync::write_back_parameters() {
+void ShardedState::write_back_parameters() {
   std::lock_guard<std::mutex> lock(mutex_);
   check_sharding(sharded_);
   sharded_->write_back_and_free();
 }
 
-size_t ShardedGradientSync::num_units() const { return sharded_ ? sharded_->num_units() : 0; }
+size_t ShardedState::num_units() const { return sharded_ ? sharded_->num_units() : 0; }
 
 WholeParameters::WholeParameters(const std::vector<at::Tensor>& parameters, bool write_back)
     : write_back_(write_back) {
   for (const auto& p : parameters) {
-    auto engine = ShardedGradientSync::of(p);
+    auto engine = ShardedState::of(p);
     if (engine && engine->shards_parameters() &&
         std::find(engines_.begin(), engines_.end(), engine) == engines_.end()) {
       engines_.push_back(std::move(engine));
@@ -429,14 +414,14 @@ WholeParameters::~WholeParameters() noexcept(false) {
   release();
 }
 
-std::vector<int64_t> ShardedGradientSync::parameter_shape(size_t i) const {
-  TORCH_CHECK(i < parameters_.size(), "ShardedGradientSync: no parameter ", i);
+std::vector<int64_t> ShardedState::parameter_shape(size_t i) const {
+  TORCH_CHECK(i < parameters_.size(), "ShardedState: no parameter ", i);
   return sharded_ ? sharded_->shape(i) : parameters_[i].sizes().vec();
 }
 
-at::Tensor ShardedGradientSync::parameter_piece(size_t piece) const {
+at::Tensor ShardedState::parameter_piece(size_t piece) const {
   check_sharding(sharded_);
-  TORCH_CHECK(piece < piece_bucket_.size(), "ShardedGradientSync: no piece ", piece);
+  TORCH_CHECK(piece < piece_bucket_.size(), "ShardedState: no piece ", piece);
   return sharded_->shard(piece_bucket_[piece])
       .narrow(0, piece_start_[piece], layout_.pieces[piece].numel);
 }
