@@ -117,6 +117,18 @@ void bind_data_parallel(py::module_& parent) {
       .def("write_back_parameters", &ShardedState::write_back_parameters, ReleaseGil())
       .def("parameter_shape", &ShardedState::parameter_shape, py::arg("parameter"))
       .def_property_readonly("shards_parameters", &ShardedState::shards_parameters)
+      .def(
+          "bytes",
+          [](const ShardedState& state) {
+            const auto b = state.bytes();
+            py::dict d;
+            d["main_gradients"] = b.main_gradients;
+            d["reduced_gradients"] = b.reduced_gradients;
+            d["staging"] = b.staging;
+            d["parameter_shards"] = b.parameter_shards;
+            return d;
+          },
+          "The bytes it holds now, by kind (data_parallel::ShardedBytes).")
       .def_static(
           "manages",
           [](const at::Tensor& p) { return ShardedState::of(p) != nullptr; },

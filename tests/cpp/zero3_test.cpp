@@ -11,12 +11,14 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "tensor_checks.h"
 #include "thread_world.h"
 #include "torch_mp/checkpoint/checkpoint.h"
 #include "torch_mp/data_parallel/data_parallel.h"
+#include "torch_mp/data_parallel/shard_layout.h"
 #include "torch_mp/optim/distributed_optimizer.h"
 
 namespace torch_mp::zero3_test {
@@ -109,6 +111,47 @@ TEST_P(Zero3, TrainsAsOneProcessHoldingOnlyItsRangeBetweenSteps) {
       for (const auto& item : net->named_parameters()) {
         EXPECT_TRUE(all_close(item.value(), expected[item.key()])) << item.key();
       }
+    });
+  }
+}
+
+// The sharded state reports what it holds by kind, and its layout's arithmetic
+// (data_parallel::sharded_bytes, what plan::estimate counts ZeRO-2/3 with) says the same: to the
+// byte for the main gradients, the reduced ranges and the parameters' shards, and as a bound
+// for the staging, whose use depends on which buckets share a buffer.
+TEST_P(Zero3, TheStateHoldsWhatItsLayoutsArithmeticSays) {
+  struct Case {
+    bool shard_parameters;
+    std::optional<at::ScalarType> grad_dtype;
+  };
+  for (const Case& c : {Case{false, std::nullopt}, Case{false, at::kFloat}, Case{true, {}}}) {
+    testing::run_on_mesh(GetParam(), testing::test_options(1), [&](const Mesh& mesh) {
+      Net net;
+      auto options = DataParallelOptions().group(mesh.dp_group).grad_dtype(c.grad_dtype);
+      DataParallel dp(net,
+                      c.shard_parameters ? options.shard_parameters(true).units({"Block"})
+                                         : options.shard_gradients(true).bucket_cap_mb(1e-4));
+      const auto state = dp->sharded_state();
+      ASSERT_TRUE(state);
+      DistributedOptimizer zero(
+          net->parameters(),
+          torch::optim::AdamWOptions(1e-2),
+          DistributedOptimizerOptions().group(mesh.dp_group).sharded_state(state));
+      for (int64_t step = 0; step < 2; ++step) {
+        zero.zero_grad();
+        const auto y = mine(testing::rank_randn({8, kWidth}, 100 + step, 0), mesh);
+        (dp->forward(mine(batch(step), mesh)) - y).pow(2).mean().backward();
+        zero.step();
+      }
+      const auto held = state->bytes();
+      const auto said = data_parallel::sharded_bytes(
+          state->layout(), mesh.dp_size(), c.grad_dtype, c.shard_parameters);
+      EXPECT_EQ(held.main_gradients, said.main_gradients);
+      EXPECT_EQ(held.reduced_gradients, said.reduced_gradients);
+      EXPECT_EQ(held.parameter_shards, said.parameter_shards);
+      EXPECT_LE(held.staging, said.staging);
+      EXPECT_EQ(held.staging > 0, said.staging > 0);
+      EXPECT_GT(held.total(), 0);
     });
   }
 }

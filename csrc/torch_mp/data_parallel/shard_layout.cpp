@@ -67,6 +67,29 @@ ShardLayout ShardLayout::of(const std::vector<at::Tensor>& parameters,
   return layout;
 }
 
+ShardedBytes sharded_bytes(const ShardLayout& layout,
+                           int64_t size,
+                           std::optional<at::ScalarType> grad_dtype,
+                           bool shard_parameters) {
+  ShardedBytes bytes;
+  int64_t largest = 0;
+  for (const ShardBucket& bucket : layout.buckets) {
+    const auto element = static_cast<int64_t>(c10::elementSize(bucket.dtype));
+    const int64_t padded = bucket.chunk * size;
+    if (grad_dtype) {
+      bytes.main_gradients += padded * static_cast<int64_t>(c10::elementSize(*grad_dtype));
+    } else {
+      bytes.reduced_gradients += bucket.chunk * element;
+      largest = std::max(largest, padded * element);
+    }
+    if (shard_parameters) {
+      bytes.parameter_shards += bucket.chunk * element;
+    }
+  }
+  bytes.staging = (shard_parameters ? 1 : 2) * largest;
+  return bytes;
+}
+
 at::Tensor flat_view(const at::Tensor& t) { return t.detach().reshape({-1}); }
 
 }  // namespace torch_mp::data_parallel

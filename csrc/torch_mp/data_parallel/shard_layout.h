@@ -18,6 +18,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,32 @@ struct ShardLayout {
                         const std::string& owner,
                         const std::vector<size_t>& units = {});
 };
+
+/// Bytes of a data group's sharded state (sharded_state.h) by kind. ShardedState::bytes()
+/// reports what it holds; sharded_bytes() gives what a layout holds from one step to the next,
+/// the arithmetic plan::estimate counts ZeRO-2 and ZeRO-3 with.
+struct ShardedBytes {
+  /// grad_dtype: every bucket whole, padded (this rank's reduced range lies in it).
+  int64_t main_gradients = 0;
+  /// Without grad_dtype: this rank's reduced range of every bucket.
+  int64_t reduced_gradients = 0;
+  /// Without grad_dtype: the reduce-scatter's staging buffers. sharded_bytes() gives their
+  /// bound, two of the largest bucket (one under ZeRO-3); which buckets share a buffer decides
+  /// what is held.
+  int64_t staging = 0;
+  /// ZeRO-3: this rank's range of every bucket of parameters.
+  int64_t parameter_shards = 0;
+
+  int64_t total() const { return main_gradients + reduced_gradients + staging + parameter_shards; }
+};
+
+/// What the sharded state of `layout` over a group of `size` holds between steps: main
+/// gradients in `grad_dtype` (none: the gradients in each bucket's dtype, through staging), and
+/// with `shard_parameters` (ZeRO-3) the parameters' shards.
+ShardedBytes sharded_bytes(const ShardLayout& layout,
+                           int64_t size,
+                           std::optional<at::ScalarType> grad_dtype,
+                           bool shard_parameters);
 
 /// The flat elements of a tensor, as a view where it is contiguous (detached).
 at::Tensor flat_view(const at::Tensor& t);

@@ -255,6 +255,27 @@ void ShardedState::launch(size_t b) {
   }
 }
 
+ShardedBytes ShardedState::bytes() const {
+  const auto held = [](const std::vector<at::Tensor>& tensors) {
+    int64_t total = 0;
+    for (const auto& t : tensors) {
+      total += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+    }
+    return total;
+  };
+  std::lock_guard<std::mutex> lock(mutex_);
+  ShardedBytes bytes;
+  bytes.main_gradients = held(main_);
+  bytes.reduced_gradients = held(shard_);
+  bytes.staging = held({staging_.begin(), staging_.end()});
+  if (sharded_) {
+    for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+      bytes.parameter_shards += static_cast<int64_t>(sharded_->shard(b).nbytes());
+    }
+  }
+  return bytes;
+}
+
 at::Tensor ShardedState::staging_buffer(int slot, int64_t numel, const at::TensorOptions& options) {
   for (auto& pending : pending_) {
     if (pending.staging == slot) {

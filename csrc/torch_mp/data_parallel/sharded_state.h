@@ -131,6 +131,9 @@ class ShardedState : public std::enable_shared_from_this<ShardedState> {
   /// This rank's elements of piece `piece` (1-D, a view of the shard the step updates).
   at::Tensor parameter_piece(size_t piece) const;
 
+  /// The bytes it holds now, by kind (sharded_bytes gives what its layout holds between steps).
+  ShardedBytes bytes() const;
+
   const ShardLayout& layout() const { return layout_; }
   const std::vector<at::Tensor>& parameters() const { return parameters_; }
   /// Parameter i's name (or index) and shape, for errors.

@@ -284,20 +284,19 @@ Estimate estimate(const ModelShape& model, const Layout& layout) {
       }
     }
     const int64_t owned = l.zero >= 1 ? chunks : numel;
-    if (l.zero == 3) {
-      row.parameters = chunks * z.d;
-    } else if (l.zero >= 1 && l.dp > 1) {  // flat buckets, the parameters views of them
-      row.parameters = padded * z.d;
-    } else {
-      row.parameters = numel * z.d;
-    }
-    if (l.zero <= 1) {  // DataParallel's flat gradient buffer
+    if (l.zero >= 2) {  // each stage's DataParallel's sharded state, by its own arithmetic
+      const auto grad_dtype = z.masters ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
+      for (const auto& stage_layout : per_stage) {
+        const auto held = data_parallel::sharded_bytes(stage_layout, l.dp, grad_dtype, l.zero == 3);
+        row.gradients += held.main_gradients + held.reduced_gradients;
+        row.persistent_buffers += held.staging;
+        row.parameters += held.parameter_shards;
+      }
+    } else {  // DataParallel's flat gradient buffer
       row.gradients = numel * z.d;
-    } else if (z.masters) {  // fp32 main gradients, whole buckets
-      row.gradients = padded * master_bytes;
-    } else {  // this rank's range of every bucket, and the reduce-scatter's staging slots
-      row.gradients = chunks * z.d;
-      row.persistent_buffers = (l.zero == 3 ? 1 : 2) * largest * z.d;
+    }
+    if (l.zero < 3) {  // ZeRO-1/2: flat buckets, the parameters views of them
+      row.parameters = l.zero >= 1 && l.dp > 1 ? padded * z.d : numel * z.d;
     }
     row.optimizer_state = owned * moments * state_bytes + (z.masters ? owned * master_bytes : 0);
     const int64_t gathered = l.zero == 3 ? 2 * largest * z.d : 0;  // this unit and the next
