@@ -106,6 +106,11 @@ py::dict keywords_of(const plan::Layout& l) {
   return k;
 }
 
+// The Layout its keywords make (through the constructor, which checks them).
+plan::Layout layout_of(const py::dict& keywords) {
+  return py::type::of<plan::Layout>()(**keywords).cast<plan::Layout>();
+}
+
 // "Layout(tp=2, dp=4, dtype=torch.bfloat16, micro_batch=1, seq_len=2048)": the fields that differ
 // from a default Layout's, and the two that have no default.
 std::string repr_of(const plan::Layout& l) {
@@ -223,7 +228,7 @@ void bind_plan(py::module_& m) {
             for (const auto& [key, value] : changes) {
               keywords[key] = value;
             }
-            return py::type::of<plan::Layout>()(**keywords).cast<plan::Layout>();
+            return layout_of(keywords);
           },
           "A copy with the keywords given changed: layout.replace(tp=2, zero=1).")
       .def("__repr__", &repr_of)
@@ -235,10 +240,7 @@ void bind_plan(py::module_& m) {
       .def(
           "__hash__",
           [](const plan::Layout& l) { return py::hash(py::tuple(keywords_of(l).attr("items")())); })
-      .def(py::pickle([](const plan::Layout& l) { return keywords_of(l); },
-                      [](const py::dict& keywords) {
-                        return py::type::of<plan::Layout>()(**keywords).cast<plan::Layout>();
-                      }));
+      .def(py::pickle(&keywords_of, &layout_of));
   using plan::RankEstimate;
   py::class_<RankEstimate>(m, "RankEstimate")
       .def_readonly("kind", &RankEstimate::kind)
